@@ -1,0 +1,39 @@
+# Both Quickstart commands bootstrap .venv from the requirements on a fresh machine (Python >= 3.10).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The CPU build of this torch release is what the tests run with; pip takes it from a local wheel where one is
+# provided (as on our CI machines) and from PyPI elsewhere. Override for a GPU machine: make demo TORCH=torch
+TORCH ?= torch==2.13.0
+export HF_DATASETS_OFFLINE ?= 1
+export HF_HUB_OFFLINE ?= 1
+export WANDB_MODE ?= offline
+
+.PHONY: venv test lint demo bench clean
+
+$(BIN)/.installed: requirements.txt requirements-dev.txt
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10) and "Python >= 3.10 is required")'
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -r requirements-dev.txt
+	touch $@
+
+venv: $(BIN)/.installed
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	$(BIN)/python -m pytest -ra
+
+demo: venv
+	$(BIN)/python run_local_swarm.py
+
+bench: venv
+	$(BIN)/python benchmarks/bench_data.py
+	$(BIN)/python benchmarks/bench_swarm.py
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache .ruff_cache

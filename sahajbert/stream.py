@@ -1,0 +1,92 @@
+"""The endless, per-peer stream of ALBERT training batches, prepared in a background thread."""
+
+import logging
+import queue
+import threading
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+
+from sahajbert.collators import PretrainingCollator
+from sahajbert.corpus import SkipCounter, resolve_probabilities, resolve_sources, stream_documents
+from sahajbert.examples import PairBuilder
+
+logger = logging.getLogger(__name__)
+
+
+def iterate_examples(data_args, tokenizer, seed: int, with_text: bool = False, skips: SkipCounter | None = None):
+    """Yield SOP examples from the sources in `data_args` (a CorpusArguments), shuffled and mixed with `seed`."""
+    skips = skips if skips is not None else SkipCounter()
+    sources = resolve_sources(data_args.sources, data_args.data_files)
+    probabilities = resolve_probabilities(sources, data_args.source_probabilities)
+    builder = PairBuilder(
+        tokenizer.backend_tokenizer,
+        cls_id=tokenizer.cls_token_id,
+        sep_id=tokenizer.sep_token_id,
+        max_seq_length=data_args.max_seq_length,
+        short_seq_prob=data_args.short_seq_prob,
+    )
+    rng = np.random.default_rng(seed)
+    documents = stream_documents(sources, probabilities, seed, data_args.shuffle_buffer, skips)
+    for text in documents:
+        examples = builder(text, rng, with_text=with_text)
+        if examples is None:
+            skips.skip("document with fewer than two sentences (no danda, ?, ! or line break between them)")
+            continue
+        yield from examples
+
+
+def batched(examples: Iterable[dict], batch_size: int, collator: PretrainingCollator) -> Iterator[dict]:
+    """Group examples into collated batches of exactly `batch_size` (the stream is endless, so none is short)."""
+    bucket: list[dict] = []
+    for example in examples:
+        bucket.append(example)
+        if len(bucket) == batch_size:
+            yield collator(bucket)
+            bucket = []
+
+
+class Prefetcher:
+    """Runs an iterator in a daemon thread, `depth` items ahead, so the accelerator never waits for data.
+
+    The queue is bounded, so memory stays flat however long the stream; an exception in the producer is re-raised
+    in the consumer; `close()` stops the producer.
+    """
+
+    _DONE = object()
+
+    def __init__(self, iterator: Iterator, depth: int = 4):
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._produce, args=(iterator,), daemon=True, name="prefetch")
+        self._thread.start()
+
+    def _produce(self, iterator: Iterator) -> None:
+        try:
+            for item in iterator:
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+            self._queue.put(self._DONE)
+        except BaseException as e:  # handed to the consumer, which raises it where it can be reported
+            self._queue.put(e)
+
+    def __iter__(self) -> "Prefetcher":
+        return self
+
+    def __next__(self):
+        item = self._queue.get()
+        if item is self._DONE:
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

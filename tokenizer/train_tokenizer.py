@@ -1,0 +1,38 @@
+#!/usr/bin/env python
+"""Train the sahajBERT Unigram tokenizer from the streamed corpus (default) or local files (--data_files)."""
+
+import itertools
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere: the repo root holds the library
+
+from tqdm.auto import tqdm  # noqa: E402
+
+from arguments import CorpusArguments, TokenizerTrainingArguments  # noqa: E402
+from sahajbert.cli import parse_args, run, setup_logging  # noqa: E402
+from sahajbert.corpus import SkipCounter, resolve_probabilities, resolve_sources, stream_documents  # noqa: E402
+from sahajbert.tokenization import save_tokenizer, train_tokenizer  # noqa: E402
+
+logger = logging.getLogger("train_tokenizer")
+
+
+def main(argv=None) -> int:
+    setup_logging()
+    corpus_args, args = parse_args((CorpusArguments, TokenizerTrainingArguments), argv)
+    sources = resolve_sources(corpus_args.sources, corpus_args.data_files)
+    probabilities = resolve_probabilities(sources, corpus_args.source_probabilities)
+    skips = SkipCounter()
+    # one pass over local files; a Hub stream is bounded by --max_texts
+    documents = stream_documents(sources, probabilities, args.seed, corpus_args.shuffle_buffer, skips, repeat=False)
+    documents = tqdm(itertools.islice(documents, args.max_texts), total=args.max_texts, desc="reading", unit="doc")
+    tokenizer = train_tokenizer(documents, args.vocab_size, length=args.max_texts)
+    save_tokenizer(tokenizer, args.output_dir)
+    logger.info(f"saved a {len(tokenizer)}-piece tokenizer to {args.output_dir}")
+    logger.info(f"trained on {documents.n} documents; skipped records: {skips.counts or 'none'}")
+    return 0
+
+
+if __name__ == "__main__":
+    run(main)

@@ -76,3 +76,171 @@ class PreviewArguments:
     num_examples: int = field(default=5, metadata={"help": "How many examples to show."})
     seed: int = field(default=0, metadata={"help": "Stream seed (each peer derives its own)."})
     json: bool = field(default=False, metadata={"help": "Print one JSON object per example instead of text."})
+
+
+@dataclass
+class SwarmArguments:
+    """How this peer finds the others (hivemind DHT over libp2p)."""
+
+    run_id: str = field(default="sahajbert", metadata={"help": "Name of the training run; all its peers share it."})
+    initial_peers: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Multiaddrs of peers already in the run, as printed by run_first_peer.py, e.g. "
+            "/ip4/1.2.3.4/tcp/31337/p2p/Qm... (empty: start a new swarm)."
+        },
+    )
+    host_maddrs: list[str] = field(
+        default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"],
+        metadata={"help": "Multiaddrs to listen on; tcp/0 picks a free port. Use a fixed port to be reachable."},
+    )
+    announce_maddrs: list[str] = field(
+        default_factory=list, metadata={"help": "Public multiaddrs to tell others (behind NAT or a proxy)."}
+    )
+    identity_path: Optional[str] = field(
+        default=None,
+        metadata={"help": "Private key file that keeps this peer's id across restarts (created if missing)."},
+    )
+    client_mode: bool = field(
+        default=False,
+        metadata={"help": "Accept no incoming connections (behind a firewall/NAT); the peer still trains."},
+    )
+    use_ipfs: bool = field(default=False, metadata={"help": "Also find peers through the public IPFS DHT."})
+    join_timeout: float = field(
+        default=60.0, metadata={"help": "Seconds to wait for the initial peers to answer before giving up."}
+    )
+
+
+@dataclass
+class AveragingArguments:
+    """How peers all-reduce gradients and parameters."""
+
+    matchmaking_time: float = field(
+        default=5.0, metadata={"help": "Seconds spent gathering a group of peers for each all-reduce."}
+    )
+    averaging_timeout: float = field(
+        default=60.0, metadata={"help": "Seconds after which an unfinished all-reduce round is abandoned."}
+    )
+    next_chunk_timeout: Optional[float] = field(
+        default=None, metadata={"help": "Seconds to wait for a peer's next chunk before excluding it."}
+    )
+    target_group_size: Optional[int] = field(
+        default=None, metadata={"help": "Most peers in one all-reduce group (default: everyone)."}
+    )
+    bandwidth: Optional[float] = field(
+        default=None,
+        metadata={"help": "This peer's network bandwidth in Mbit/s; faster peers reduce larger parts."},
+    )
+    compression: str = field(
+        default="fp16",
+        metadata={"help": "Compression of averaged tensors.", "choices": ["none", "fp16", "8bit", "adaptive"]},
+    )
+
+
+@dataclass
+class CollaborativeOptimizerArguments:
+    """When the swarm makes a global step, and how hivemind.Optimizer overlaps it with compute."""
+
+    target_batch_size: int = field(
+        default=4096, metadata={"help": "Samples the whole swarm accumulates per global optimizer step."}
+    )
+    batch_size_lead: int = field(
+        default=0, metadata={"help": "Start averaging this many samples before the target, to hide latency."}
+    )
+    offload_optimizer: bool = field(
+        default=True, metadata={"help": "Keep optimizer state and the master parameters in host RAM."}
+    )
+    delay_optimizer_step: bool = field(
+        default=True, metadata={"help": "Run the optimizer step in the background while the next batch computes."}
+    )
+    delay_grad_averaging: bool = field(
+        default=True, metadata={"help": "Average gradients in the background (with delay_optimizer_step: DPU)."}
+    )
+    average_state_every: int = field(
+        default=1, metadata={"help": "Average parameters with peers every this many global steps."}
+    )
+    use_local_updates: bool = field(
+        default=False,
+        metadata={"help": "Step locally every batch and only average parameters (no gradient averaging)."},
+    )
+
+    def __post_init__(self):
+        if self.target_batch_size < 1:
+            raise ValueError(f"--target_batch_size must be positive, got {self.target_batch_size}")
+        if not 0 <= self.batch_size_lead < self.target_batch_size:
+            raise ValueError("--batch_size_lead must be at least 0 and below --target_batch_size")
+
+
+@dataclass
+class ModelArguments:
+    """Which ALBERT to train."""
+
+    model: str = field(
+        default="sahajbert",
+        metadata={"help": "A preset (tiny, sahajbert, sahajbert-xl) or a path to an AlbertConfig JSON or folder."},
+    )
+
+
+@dataclass
+class TrainingArguments:
+    """This peer's local training: batch, schedule, precision, checkpoints."""
+
+    per_device_train_batch_size: int = field(default=4, metadata={"help": "Examples per forward/backward pass."})
+    gradient_accumulation_steps: int = field(
+        default=1, metadata={"help": "Passes accumulated locally before reporting progress to the swarm."}
+    )
+    learning_rate: float = field(default=0.00176, metadata={"help": "Peak LAMB learning rate (sahajBERT: 0.00176)."})
+    warmup_steps: int = field(default=5000, metadata={"help": "Global steps of linear warmup."})
+    total_steps: int = field(
+        default=125_000, metadata={"help": "Length of the linear-decay schedule, in global steps."}
+    )
+    max_steps: Optional[int] = field(
+        default=None, metadata={"help": "Stop this peer cleanly once the swarm reaches this global step."}
+    )
+    weight_decay: float = field(default=0.01, metadata={"help": "LAMB weight decay (none on biases and LayerNorm)."})
+    adam_beta1: float = field(default=0.9, metadata={"help": "LAMB beta1."})
+    adam_beta2: float = field(default=0.999, metadata={"help": "LAMB beta2."})
+    adam_epsilon: float = field(default=1e-6, metadata={"help": "LAMB epsilon."})
+    clamp_value: float = field(
+        default=10_000.0, metadata={"help": "LAMB: clamp of the weight norm in the trust ratio."}
+    )
+    precision: str = field(
+        default="auto",
+        metadata={
+            "help": "Compute precision; auto picks fp16 on CUDA >= 7.0, else fp32.",
+            "choices": ["auto", "fp32", "fp16", "bf16"],
+        },
+    )
+    device: str = field(default="auto", metadata={"help": "Where to compute.", "choices": ["auto", "cpu", "cuda"]})
+    gradient_checkpointing: bool = field(
+        default=False, metadata={"help": "Recompute activations in backward to save accelerator memory."}
+    )
+    seed: int = field(
+        default=0,
+        metadata={"help": "Model init seed, shared by the run; each peer's data order also mixes in its own id."},
+    )
+    output_dir: str = field(default="outputs/trainer", metadata={"help": "Where this peer writes checkpoints."})
+    save_steps: int = field(default=500, metadata={"help": "Save a local checkpoint every this many global steps."})
+    keep_checkpoints: int = field(default=3, metadata={"help": "How many local checkpoints to keep."})
+    log_every_seconds: float = field(default=10.0, metadata={"help": "Seconds between progress lines."})
+
+    def __post_init__(self):
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "save_steps", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"--max_steps must be at least 1, got {self.max_steps}")
+
+
+@dataclass
+class LocalSwarmArguments:
+    """run_local_swarm.py (make demo): a first peer and trainers on this machine, on the bundled sample."""
+
+    num_trainers: int = field(default=2, metadata={"help": "Trainer processes to start."})
+    max_steps: int = field(default=10, metadata={"help": "Global steps to train before stopping."})
+    target_batch_size: int = field(default=384, metadata={"help": "Samples per global step, all trainers together."})
+    output_dir: str = field(default="outputs/demo", metadata={"help": "Logs and each trainer's checkpoints go here."})
+    run_id: str = field(default="demo", metadata={"help": "Run name inside the local swarm."})
+    timeout: float = field(
+        default=600.0, metadata={"help": "Give up (and stop every process) after this many seconds."}
+    )

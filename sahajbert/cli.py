@@ -22,6 +22,9 @@ def setup_logging(level: int = logging.INFO) -> None:
     # hivemind installs its own handler; keep its level but let our format stay the only one on the root logger
     for noisy in ("httpx", "urllib3", "filelock", "datasets", "fsspec"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # "Writing model shards" bars would interleave with progress lines
 
 
 def parse_args(dataclass_types: Sequence[type], argv: Sequence[str] | None = None) -> tuple:

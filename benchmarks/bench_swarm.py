@@ -1,0 +1,136 @@
+#!/usr/bin/env python
+"""Collaboration overhead, side by side in one run on this machine:
+
+1. samples/s of a plain PyTorch loop (same model, batch, LAMB and data, no hivemind) vs one trainer alone in
+   its swarm (run_trainer.py: hivemind.Optimizer, offloading, progress reports, metrics);
+2. the time per global step with 1 and 2 trainer peers (same target batch size).
+Each trainer is a real process; every process shares this machine's cores, so 2 peers get one core each.
+"""
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from arguments import SAMPLE_FILES, SAMPLE_TOKENIZER  # noqa: E402
+from sahajbert.collators import PretrainingCollator  # noqa: E402
+from sahajbert.localswarm import PeerProcess, read_train_log, start_first_peer  # noqa: E402
+from sahajbert.model import build_model  # noqa: E402
+from sahajbert.optim import Lamb, parameter_groups  # noqa: E402
+from sahajbert.stream import Prefetcher, batched, iterate_examples  # noqa: E402
+from sahajbert.tokenization import load_tokenizer  # noqa: E402
+
+
+def plain_loop(args, threads: int) -> float:
+    """samples/s of forward + backward + LAMB step, no hivemind, after `warmup` batches."""
+    torch.set_num_threads(threads)
+    tokenizer = load_tokenizer(SAMPLE_TOKENIZER)
+    model = build_model(args.model, tokenizer, seed=0)
+    optimizer = Lamb(parameter_groups(model, 0.01), lr=0.001, clamp_value=10_000.0)
+    corpus = argparse.Namespace(
+        sources=[],
+        source_probabilities=None,
+        data_files=SAMPLE_FILES,
+        shuffle_buffer=200,
+        max_seq_length=args.max_seq_length,
+        short_seq_prob=0.1,
+    )
+    collator = PretrainingCollator.from_tokenizer(tokenizer, seed=0, pad_to_multiple_of=8)
+    batches = Prefetcher(batched(iterate_examples(corpus, tokenizer, seed=0), args.batch_size, collator))
+    for i in range(args.warmup + args.batches):
+        if i == args.warmup:
+            start = time.perf_counter()
+        model(**next(batches)).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    batches.close()
+    return args.batches * args.batch_size / (time.perf_counter() - start)
+
+
+def swarm(args, workdir: Path, peers: int) -> tuple[float, float]:
+    """(samples/s of one trainer, seconds per global step) for `peers` trainers, measured after step 1."""
+    run_id = f"bench{peers}"
+    first_peer, initial_peers = start_first_peer(workdir / run_id, run_id)
+    trainers = []
+    try:
+        for i in range(peers):
+            trainers.append(
+                PeerProcess(
+                    "run_trainer.py",
+                    [
+                        "--run_id",
+                        run_id,
+                        "--initial_peers",
+                        *initial_peers,
+                        "--host_maddrs",
+                        "/ip4/127.0.0.1/tcp/0",
+                        "--model",
+                        args.model,
+                        "--tokenizer_path",
+                        str(SAMPLE_TOKENIZER),
+                        "--data_files",
+                        *SAMPLE_FILES,
+                        "--max_seq_length",
+                        str(args.max_seq_length),
+                        "--per_device_train_batch_size",
+                        str(args.batch_size),
+                        "--target_batch_size",
+                        str(args.target_batch_size),
+                        "--max_steps",
+                        str(args.steps),
+                        "--matchmaking_time",
+                        "3",
+                        "--save_steps",
+                        "100000",
+                        "--shuffle_buffer",
+                        "200",
+                        "--output_dir",
+                        str(workdir / run_id / f"trainer{i}"),
+                    ],
+                    workdir / run_id / f"trainer{i}.log",
+                )
+            )
+        for trainer in trainers:
+            if trainer.wait(1800) != 0:
+                raise RuntimeError(trainer.output()[-3000:])
+    finally:
+        for process in [*trainers, first_peer]:
+            process.stop()
+    log = read_train_log(workdir / run_id / "trainer0")
+    measured = [r for r in log if r["step"] > 1]  # step 1 includes start-up and the first matchmaking
+    seconds = measured[-1]["time"] - log[0]["time"]
+    return sum(r["samples"] for r in measured) / seconds, seconds / len(measured)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny", help="model preset")
+    parser.add_argument("--max_seq_length", type=int, default=128, help="tokens per example")
+    parser.add_argument("--batch_size", type=int, default=16, help="examples per forward/backward")
+    parser.add_argument("--target_batch_size", type=int, default=1024, help="samples per global step")
+    parser.add_argument("--steps", type=int, default=6, help="global steps per swarm run")
+    parser.add_argument("--batches", type=int, default=150, help="measured batches of the plain loop")
+    parser.add_argument("--warmup", type=int, default=5, help="unmeasured batches of the plain loop")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        plain = plain_loop(args, threads=1)  # each trainer process also computes with one thread
+        alone, step_1 = swarm(args, Path(tmp), peers=1)
+        _, step_2 = swarm(args, Path(tmp), peers=2)
+    print(
+        f"\nmodel={args.model}, seq={args.max_seq_length}, batch={args.batch_size}, "
+        f"target batch={args.target_batch_size}, 1 thread per process\n"
+    )
+    print("| measurement | value | ratio |\n|---|---:|---:|")
+    print(f"| plain PyTorch loop, samples/s | {plain:.1f} | 1.00 |")
+    print(f"| one trainer alone in its swarm, samples/s | {alone:.1f} | {alone / plain:.2f} |")
+    print(f"| seconds per global step, 1 peer | {step_1:.2f} | 1.00 |")
+    print(f"| seconds per global step, 2 peers | {step_2:.2f} | {step_2 / step_1:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

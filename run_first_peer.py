@@ -1,0 +1,36 @@
+#!/usr/bin/env python
+"""Bootstrap a swarm: a DHT node that prints the --initial_peers line volunteers paste, until Ctrl+C."""
+
+import logging
+import threading
+
+from arguments import SwarmArguments
+from sahajbert.cli import parse_args, run, setup_logging
+
+logger = logging.getLogger("first_peer")
+
+
+def main(argv=None) -> int:
+    setup_logging()
+    (swarm_args,) = parse_args((SwarmArguments,), argv)
+    from sahajbert.metrics import make_validators
+    from sahajbert.swarm import build_dht, initial_peers_line
+    from sahajbert.training import StopRequest
+
+    validators, _ = make_validators(swarm_args.run_id)  # the first peer stores and serves metrics: it validates too
+    dht = build_dht(swarm_args, validators)
+    try:
+        line = initial_peers_line(dht)
+        logger.info(f"run '{swarm_args.run_id}' is open. Volunteers join with:")
+        print(f"python run_trainer.py --run_id {swarm_args.run_id} {line}", flush=True)
+        with StopRequest() as stop:
+            while not stop.event.wait(timeout=3600):
+                threading.Event().wait(0)  # nothing to do: the DHT serves peers in its own process
+    finally:
+        dht.shutdown()
+    logger.info("first peer stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    run(main)

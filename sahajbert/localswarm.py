@@ -1,0 +1,110 @@
+"""Peers as local processes on 127.0.0.1: the demo swarm, the benchmarks and the integration tests use this."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+LOOPBACK = ["--host_maddrs", "/ip4/127.0.0.1/tcp/0"]
+
+
+def peer_env() -> dict:
+    """Offline, unbuffered, one math thread per peer (several peers share the machine's cores)."""
+    return {
+        **os.environ,
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "WANDB_MODE": "offline",
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    }
+
+
+class PeerProcess:
+    """One of this repository's scripts running as its own process, output captured to `log_path`."""
+
+    def __init__(self, script: str, args: list[str], log_path: Path, python: str = sys.executable):
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "w")
+        self.process = subprocess.Popen(
+            [python, str(REPO_ROOT / script), *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=peer_env(),
+            cwd=REPO_ROOT,
+        )
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def running(self) -> bool:
+        return self.process.poll() is None
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired as e:
+            raise TimeoutError(
+                f"{self.log_path.name} did not exit in {timeout:.0f} s:\n{self.output()[-3000:]}"
+            ) from e
+
+    def descendants(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGINT (a clean stop), then SIGKILL for the process and its children if it does not exit in time."""
+        if self.running():
+            children = self.descendants()
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                for child in children:
+                    child.kill()
+                self.process.kill()
+                self.process.wait(10)
+        self._log.close()
+
+
+def wait_for(condition, timeout: float, what: str, interval: float = 0.5):
+    """Poll `condition` until it returns something truthy; TimeoutError naming `what` otherwise."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def start_first_peer(log_dir: Path, run_id: str, extra: list[str] = ()) -> tuple[PeerProcess, list[str]]:
+    """Start run_first_peer.py on loopback and return it with the multiaddrs others join through."""
+    peer = PeerProcess("run_first_peer.py", ["--run_id", run_id, *LOOPBACK, *extra], Path(log_dir) / "first_peer.log")
+
+    def address():
+        for line in peer.output().splitlines():
+            if "--initial_peers " in line:
+                return line.split("--initial_peers ", 1)[1].split()
+        if not peer.running():
+            raise RuntimeError(f"the first peer exited:\n{peer.output()[-3000:]}")
+        return None
+
+    return peer, wait_for(address, 60, "the first peer's --initial_peers line")
+
+
+def read_train_log(output_dir: Path) -> list[dict]:
+    """A trainer's per-global-step records (train_log.jsonl), oldest first."""
+    path = Path(output_dir) / "train_log.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

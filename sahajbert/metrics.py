@@ -1,0 +1,84 @@
+"""Per-peer training metrics in the DHT, signed and schema-checked, and their aggregation (a pure function)."""
+
+from dataclasses import dataclass
+
+import hivemind
+import pydantic.v1 as pydantic
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.utils.timed_storage import get_dht_time
+
+
+class LocalMetrics(pydantic.BaseModel):
+    """What one trainer reports after each global step it took part in."""
+
+    step: pydantic.conint(ge=0, strict=True)  # the global step just finished
+    samples_per_second: pydantic.confloat(ge=0.0, strict=True)
+    samples_accumulated: pydantic.conint(ge=0, strict=True)  # this peer's samples in that step
+    loss: pydantic.StrictFloat  # SUM of the mini-step losses, so the swarm's mean is sum(loss) / sum(mini_steps)
+    mini_steps: pydantic.conint(ge=0, strict=True)
+
+
+class MetricSchema(pydantic.BaseModel):
+    # the subkey must hold the writer's public key: RSASignatureValidator then lets only its owner write it
+    metrics: dict[BytesWithPublicKey, LocalMetrics]
+
+
+def metrics_key(run_id: str) -> str:
+    return f"{run_id}_metrics"
+
+
+def make_validators(run_id: str) -> tuple[list, bytes]:
+    """Record validators for this run's DHT, and this process's public key (its metrics subkey)."""
+    signature_validator = RSASignatureValidator()
+    return [SchemaValidator(MetricSchema, prefix=run_id), signature_validator], signature_validator.local_public_key
+
+
+def publish(dht: hivemind.DHT, run_id: str, public_key: bytes, metrics: LocalMetrics, expiration: float = 600.0):
+    """Store this peer's record (non-blocking); it expires `expiration` seconds after its last update."""
+    return dht.store(
+        key=metrics_key(run_id),
+        subkey=public_key,
+        value=metrics.dict(),
+        expiration_time=get_dht_time() + expiration,
+        return_future=True,
+    )
+
+
+def fetch(dht: hivemind.DHT, run_id: str) -> dict[bytes, LocalMetrics]:
+    """All current, validated records of the run, keyed by the writer's public key."""
+    entry = dht.get(metrics_key(run_id), latest=True)
+    if entry is None or not isinstance(entry.value, dict):
+        return {}
+    records = {}
+    for subkey, item in entry.value.items():
+        try:
+            records[subkey] = LocalMetrics.parse_obj(item.value)
+        except pydantic.ValidationError:
+            continue  # the DHT validates on store; this only guards against a peer with other software
+    return records
+
+
+@dataclass(frozen=True)
+class SwarmSummary:
+    step: int
+    loss: float  # mean loss per mini-step across the peers that reported this step
+    alive_peers: int
+    samples_per_second: float
+    samples_accumulated: int
+
+
+def aggregate(records: list[LocalMetrics]) -> SwarmSummary | None:
+    """Summarize the newest step that peers reported: loss = sum of losses / sum of mini-steps."""
+    if not records:
+        return None
+    step = max(r.step for r in records)
+    latest = [r for r in records if r.step == step]
+    mini_steps = sum(r.mini_steps for r in latest)
+    return SwarmSummary(
+        step=step,
+        loss=sum(r.loss for r in latest) / mini_steps if mini_steps else float("nan"),
+        alive_peers=len(records),
+        samples_per_second=sum(r.samples_per_second for r in records),
+        samples_accumulated=sum(r.samples_accumulated for r in latest),
+    )

@@ -1,0 +1,164 @@
+"""LAMB, the global-step learning-rate schedule, and the hivemind.Optimizer that wraps them.
+
+This module is the only place where optimizer hyperparameters become objects: the trainer and the aux peer both
+call `build_collaborative_optimizer`, so the aux peer can never drift from the trainers' settings.
+"""
+
+from functools import partial
+
+import hivemind
+import torch
+from hivemind.compression import (
+    CompressionBase,
+    Float16Compression,
+    NoCompression,
+    SizeAdaptiveCompression,
+    Uniform8BitQuantization,
+)
+from transformers import get_linear_schedule_with_warmup
+
+
+class Lamb(torch.optim.Optimizer):
+    """LAMB (You et al., 2019) with bias correction and a clamped weight norm, as sahajBERT used it."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, clamp_value=10.0):
+        if lr <= 0 or eps <= 0 or clamp_value <= 0 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"invalid LAMB settings: lr={lr}, betas={betas}, eps={eps}, clamp_value={clamp_value}")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, clamp_value=clamp_value))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+                exp_avg.mul_(beta1).add_(p.grad, alpha=1 - beta1)
+                exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                # bias correction ("debias"), folded into the Adam direction
+                correction1 = 1 - beta1 ** state["step"]
+                correction2 = 1 - beta2 ** state["step"]
+                update = (exp_avg / correction1) / (exp_avg_sq / correction2).sqrt().add_(group["eps"])
+                if group["weight_decay"]:
+                    update.add_(p, alpha=group["weight_decay"])
+                weight_norm = p.norm().clamp(0, group["clamp_value"])
+                update_norm = update.norm()
+                # layer-wise trust ratio; 1 where either norm is 0 (fresh zeros, or no update)
+                trust = torch.where((weight_norm > 0) & (update_norm > 0), weight_norm / update_norm, 1.0)
+                p.add_(update * trust, alpha=-group["lr"])
+        return loss
+
+
+def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only: none on biases and LayerNorm (found by module type, whatever its name)."""
+    no_decay = set()
+    for module in model.modules():
+        if isinstance(module, torch.nn.LayerNorm):
+            no_decay.update(id(p) for p in module.parameters(recurse=False))
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            no_decay.add(id(p))
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if id(p) not in no_decay], "weight_decay": weight_decay},
+        {"params": [p for p in params if id(p) in no_decay], "weight_decay": 0.0},
+    ]
+
+
+def make_compression(name: str) -> CompressionBase:
+    """--compression -> hivemind codec; "adaptive": fp16 for small tensors, 8-bit for large ones (>= 64 Ki)."""
+    if name == "none":
+        return NoCompression()
+    if name == "fp16":
+        return Float16Compression()
+    if name == "8bit":
+        return Uniform8BitQuantization()
+    if name == "adaptive":
+        return SizeAdaptiveCompression(
+            threshold=2**16, less=Float16Compression(), greater_equal=Uniform8BitQuantization()
+        )
+    raise ValueError(f"unknown compression '{name}'")
+
+
+def lr_at_step(step: int, peak: float, warmup_steps: int, total_steps: int) -> float:
+    """The schedule's learning rate at a global step (linear warmup, then linear decay to 0 at total_steps)."""
+    if step < warmup_steps:
+        return peak * step / max(1, warmup_steps)
+    return peak * max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+
+
+def build_collaborative_optimizer(
+    model: torch.nn.Module,
+    dht: hivemind.DHT,
+    swarm_args,
+    averaging_args,
+    optimizer_args,
+    training_args,
+    auxiliary: bool = False,
+) -> hivemind.Optimizer:
+    """hivemind.Optimizer over LAMB, scheduled by the GLOBAL step (hivemind steps the scheduler per epoch)."""
+    optimizer = partial(
+        Lamb,
+        lr=training_args.learning_rate,
+        betas=(training_args.adam_beta1, training_args.adam_beta2),
+        eps=training_args.adam_epsilon,
+        clamp_value=training_args.clamp_value,
+    )
+    scheduler = partial(
+        get_linear_schedule_with_warmup,
+        num_warmup_steps=training_args.warmup_steps,
+        num_training_steps=training_args.total_steps,
+    )
+    compression = make_compression(averaging_args.compression)
+    # parameters are averaged for consistency, not learning: fp16 keeps them close without 8-bit's error
+    state_compression = NoCompression() if averaging_args.compression == "none" else Float16Compression()
+    averager_opts = {}
+    if averaging_args.bandwidth is not None:
+        averager_opts["bandwidth"] = averaging_args.bandwidth
+    if averaging_args.target_group_size is not None:
+        averager_opts["target_group_size"] = averaging_args.target_group_size
+    batch_size_per_step = None
+    if not auxiliary:
+        batch_size_per_step = training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
+    return hivemind.Optimizer(
+        dht=dht,
+        run_id=swarm_args.run_id,
+        target_batch_size=optimizer_args.target_batch_size - optimizer_args.batch_size_lead,
+        batch_size_per_step=batch_size_per_step,
+        optimizer=optimizer,
+        params=parameter_groups(model, training_args.weight_decay),
+        scheduler=scheduler,
+        matchmaking_time=averaging_args.matchmaking_time,
+        averaging_timeout=averaging_args.averaging_timeout,
+        next_chunk_timeout=averaging_args.next_chunk_timeout,
+        offload_optimizer=optimizer_args.offload_optimizer,
+        delay_optimizer_step=optimizer_args.delay_optimizer_step,
+        delay_grad_averaging=optimizer_args.delay_grad_averaging and not optimizer_args.use_local_updates,
+        average_state_every=optimizer_args.average_state_every,
+        use_local_updates=optimizer_args.use_local_updates,
+        # hivemind 1.1.x replaces an explicit client_mode by dht.client_mode only when it is not None (inverted
+        # condition), so pass the DHT's own value: the DHT is where client mode is really set
+        client_mode=dht.client_mode,
+        auxiliary=auxiliary,
+        grad_compression=compression,
+        state_averaging_compression=state_compression,
+        load_state_compression=state_compression,
+        averager_opts=averager_opts or None,
+        verbose=True,
+    )
+
+
+def is_finite(tensors) -> bool:
+    """True if every tensor is free of NaN and inf."""
+    return all(bool(torch.isfinite(t).all()) for t in tensors if t is not None)

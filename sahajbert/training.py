@@ -1,0 +1,313 @@
+"""A volunteer's trainer peer: join the swarm, train on its own stream, take part in global steps, checkpoint."""
+
+import copy
+import hashlib
+import json
+import logging
+import signal
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import hivemind
+import torch
+from accelerate import PartialState
+
+from sahajbert import checkpoints, metrics
+from sahajbert.cli import UserError
+from sahajbert.collators import PretrainingCollator
+from sahajbert.devices import autocast_dtype, choose_precision, describe_device
+from sahajbert.model import build_model
+from sahajbert.optim import build_collaborative_optimizer, is_finite
+from sahajbert.stream import Prefetcher, batched, iterate_examples
+from sahajbert.swarm import build_dht, validate_initial_peers
+from sahajbert.tokenization import load_tokenizer
+
+logger = logging.getLogger(__name__)
+LOG_FILE = "train_log.jsonl"  # one JSON line per global step this peer saw: the run's history, for people and tests
+
+
+class StopRequest:
+    """SIGINT/SIGTERM ask the peer to stop after the current step; a second signal stops it at once."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self._previous = {}
+
+    def __enter__(self) -> "StopRequest":
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.event.is_set():
+            raise KeyboardInterrupt
+        logger.info(f"received {signal.Signals(signum).name}: stopping after this step (send again to force)")
+        self.event.set()
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def __bool__(self) -> bool:
+        return self.event.is_set()
+
+
+class LastGoodState:
+    """A host copy of parameters and optimizer state after the last healthy global step, to roll back to."""
+
+    def __init__(self, optimizer: hivemind.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.parameters: list[torch.Tensor] = []
+        self.optimizer_state: dict | None = None
+
+    def _tensors(self):
+        averager = self.optimizer.state_averager
+        offloaded = [p for group in averager.optimizer.param_groups for p in group["params"]]
+        return averager.main_parameters, offloaded
+
+    def parameters_finite(self) -> bool:
+        main, offloaded = self._tensors()
+        return is_finite(main) and is_finite(offloaded)
+
+    @torch.no_grad()
+    def save(self) -> None:
+        main, _ = self._tensors()
+        self.parameters = [p.detach().to("cpu", copy=True) for p in main]
+        self.optimizer_state = copy.deepcopy(self.optimizer.opt.state_dict())
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        main, offloaded = self._tensors()
+        for saved, target in zip(self.parameters, main):
+            target.copy_(saved)
+        if offloaded is not main:
+            for saved, target in zip(self.parameters, offloaded):
+                target.copy_(saved)
+        self.optimizer.opt.load_state_dict(copy.deepcopy(self.optimizer_state))
+
+
+def peer_seed(run_seed: int, public_key: bytes) -> int:
+    """Each peer's data order: the run seed mixed with this peer's public key, so no two peers share a stream."""
+    return (run_seed * 1_000_003 + int.from_bytes(hashlib.sha256(public_key).digest()[:4], "little")) % 2**31
+
+
+@dataclass
+class TrainResult:
+    final_step: int
+    steps: list[dict] = field(default_factory=list)  # the per-step records also written to train_log.jsonl
+    checkpoint: Path | None = None
+
+
+def train(swarm_args, averaging_args, optimizer_args, model_args, training_args, corpus_args) -> TrainResult:
+    """Run one trainer peer until --max_steps, SIGINT or SIGTERM; always leaves the swarm cleanly."""
+    validate_initial_peers(swarm_args.initial_peers)  # answer a typo at once, before loading anything
+    tokenizer = load_tokenizer(corpus_args.tokenizer_path)
+    device_info = describe_device(training_args.device)
+    precision = choose_precision(device_info, training_args.precision)
+    device = PartialState(cpu=device_info.kind == "cpu").device
+    logger.info(f"computing on {device_info.name} in {precision}")
+
+    output_dir = Path(training_args.output_dir)
+    resume_from = checkpoints.latest_checkpoint(output_dir)
+    if resume_from is not None:
+        logger.info(f"resuming from {resume_from}")
+        checkpoints.read_state(resume_from)  # a broken checkpoint is reported now, before joining anything
+    model = build_model(model_args.model, tokenizer, training_args.seed, resume_from).to(device)
+    if training_args.gradient_checkpointing:
+        if not model.supports_gradient_checkpointing:
+            raise UserError("--gradient_checkpointing is not supported by this model")
+        model.gradient_checkpointing_enable()
+    model.train()
+
+    validators, public_key = metrics.make_validators(swarm_args.run_id)
+    dht = build_dht(swarm_args, validators)
+    optimizer = None
+    prefetcher = None
+    try:
+        optimizer = build_collaborative_optimizer(
+            model, dht, swarm_args, averaging_args, optimizer_args, training_args
+        )
+        if resume_from is not None:
+            state = checkpoints.load_optimizer_state(resume_from)
+            if state is not None:
+                optimizer.load_state_dict(state)
+                optimizer.state_averager._update_scheduler()  # the LR follows the restored global step
+        _catch_up_with_swarm(optimizer)
+
+        collator = PretrainingCollator.from_tokenizer(
+            tokenizer,
+            mlm_probability=corpus_args.mlm_probability,
+            whole_word_masking=corpus_args.masking == "whole_word",
+            pad_to_multiple_of=corpus_args.pad_to_multiple_of,
+            seed=peer_seed(training_args.seed, public_key),
+        )
+        examples = iterate_examples(corpus_args, tokenizer, seed=peer_seed(training_args.seed, public_key))
+        prefetcher = Prefetcher(batched(examples, training_args.per_device_train_batch_size, collator))
+        with StopRequest() as stop:
+            result = _training_loop(
+                model,
+                optimizer,
+                prefetcher,
+                tokenizer,
+                dht,
+                public_key,
+                device,
+                precision,
+                stop,
+                swarm_args,
+                optimizer_args,
+                training_args,
+            )
+        return result
+    finally:
+        if prefetcher is not None:
+            prefetcher.close()
+        if optimizer is not None:
+            optimizer.shutdown()
+        dht.shutdown()
+
+
+def _catch_up_with_swarm(optimizer: hivemind.Optimizer, timeout: float = 30.0) -> None:
+    """Download the swarm's current state now if it is ahead (instead of on the first step, silently)."""
+    optimizer.tracker.fetched_global_progress_this_epoch.wait(timeout)
+    if optimizer.local_epoch < optimizer.tracker.global_epoch:
+        logger.info(f"the swarm is at step {optimizer.tracker.global_epoch}: downloading its state from peers")
+        optimizer.load_state_from_peers()
+        logger.info(f"joined at global step {optimizer.local_epoch}")
+
+
+def _training_loop(
+    model,
+    optimizer,
+    batches,
+    tokenizer,
+    dht,
+    public_key,
+    device,
+    precision,
+    stop,
+    swarm_args,
+    optimizer_args,
+    training_args,
+) -> TrainResult:
+    output_dir = Path(training_args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    scaler = hivemind.GradScaler() if precision == "fp16" else None
+    dtype = autocast_dtype(precision)
+    autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
+    samples_per_pass = training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
+    good_state = LastGoodState(optimizer)
+    good_state.save()
+
+    result = TrainResult(final_step=optimizer.local_epoch)
+    loss_sum, mini_steps, samples_this_step, skipped = 0.0, 0, 0, 0
+    last_epoch, last_log = optimizer.local_epoch, time.monotonic()
+    with open(output_dir / LOG_FILE, "a") as log_file:
+        while not stop and not _reached(optimizer.local_epoch, training_args.max_steps):
+            pass_loss = 0.0
+            for _ in range(training_args.gradient_accumulation_steps):
+                batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+                with autocast:
+                    loss = model(**batch).loss / training_args.gradient_accumulation_steps
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+                pass_loss += loss.item()
+            # never send non-finite gradients to the swarm (with fp16, hivemind's GradScaler does this check)
+            if scaler is None and not (
+                is_finite([torch.tensor(pass_loss)]) and is_finite(p.grad for p in model.parameters())
+            ):
+                skipped += 1
+                logger.warning(f"non-finite loss or gradients: this batch is dropped ({skipped} so far)")
+                optimizer.zero_grad(set_to_none=True)
+                continue
+            optimizer.step(batch_size=samples_per_pass, grad_scaler=scaler)
+            optimizer.zero_grad(set_to_none=True)
+            if scaler is not None:
+                scaler.update()
+            loss_sum, mini_steps, samples_this_step = (
+                loss_sum + pass_loss,
+                mini_steps + 1,
+                samples_this_step + samples_per_pass,
+            )
+
+            if optimizer.local_epoch != last_epoch:
+                record = _finish_global_step(
+                    optimizer, good_state, dht, public_key, swarm_args, loss_sum, mini_steps, samples_this_step
+                )
+                result.steps.append(record)
+                log_file.write(json.dumps(record) + "\n")
+                log_file.flush()
+                if optimizer.local_epoch % training_args.save_steps == 0:
+                    _save(model, tokenizer, optimizer, training_args, record)
+                loss_sum, mini_steps, samples_this_step = 0.0, 0, 0
+                last_epoch = optimizer.local_epoch
+            if time.monotonic() - last_log >= training_args.log_every_seconds:
+                progress = optimizer.tracker.global_progress
+                own_rate = optimizer.tracker.performance_ema.samples_per_second
+                logger.info(
+                    f"step {optimizer.local_epoch}: {progress.samples_accumulated}/{progress.target_batch_size} "
+                    f"samples toward the next step from {progress.num_peers} peer(s); "
+                    f"this peer {own_rate:.1f} samples/s"
+                )
+                last_log = time.monotonic()
+
+    optimizer.state_averager.step(wait_for_delayed_updates=True)  # apply a step still running in the background
+    result.final_step = optimizer.local_epoch
+    if result.steps and result.steps[-1]["step"] == optimizer.local_epoch:
+        result.checkpoint = _save(model, tokenizer, optimizer, training_args, result.steps[-1])
+    logger.info(f"stopped at global step {optimizer.local_epoch}" + (" (stop requested)" if stop else ""))
+    return result
+
+
+def _reached(step: int, max_steps: int | None) -> bool:
+    return max_steps is not None and step >= max_steps
+
+
+def _finish_global_step(optimizer, good_state, dht, public_key, swarm_args, loss_sum, mini_steps, samples) -> dict:
+    """After the swarm's step: check parameters (roll back if broken), publish metrics, log one line."""
+    if good_state.parameters_finite():
+        good_state.save()
+    else:
+        logger.warning(
+            f"parameters became non-finite at step {optimizer.local_epoch}: rolling back to the last good state"
+        )
+        optimizer.state_averager.step(wait_for_delayed_updates=True)
+        good_state.restore()
+    step = optimizer.local_epoch
+    samples_per_second = float(optimizer.tracker.performance_ema.samples_per_second)
+    mean_loss = loss_sum / max(1, mini_steps)
+    if optimizer.is_synchronized_with_peers():
+        record = metrics.LocalMetrics(
+            step=step,
+            samples_per_second=samples_per_second,
+            samples_accumulated=samples,
+            loss=float(loss_sum),
+            mini_steps=mini_steps,
+        )
+        metrics.publish(dht, swarm_args.run_id, public_key, record)
+    peers = optimizer.tracker.global_progress.num_peers
+    logger.info(f"global step {step} | loss {mean_loss:.4f} | {samples_per_second:.1f} samples/s | {peers} peer(s)")
+    return {
+        "step": step,
+        "loss": mean_loss,
+        "mini_steps": mini_steps,
+        "samples": samples,
+        "peers": peers,
+        "samples_per_second": samples_per_second,
+        "time": time.time(),
+    }
+
+
+def _save(model, tokenizer, optimizer, training_args, record) -> Path:
+    optimizer.state_averager.step(wait_for_delayed_updates=True)  # save parameters with every step applied
+    return checkpoints.save_checkpoint(
+        training_args.output_dir,
+        optimizer.local_epoch,
+        model,
+        tokenizer,
+        optimizer_state=optimizer.state_dict(),
+        state={"loss": record["loss"]},
+        keep=training_args.keep_checkpoints,
+    )

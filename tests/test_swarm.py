@@ -1,0 +1,201 @@
+"""Collaborative training with real hivemind peers, each in its own process, on 127.0.0.1."""
+
+import signal
+import subprocess
+import sys
+
+import psutil
+import pytest
+import torch
+from transformers import AlbertForPreTraining, AutoTokenizer
+
+from sahajbert.checkpoints import latest_checkpoint
+from sahajbert.localswarm import PeerProcess, peer_env, start_first_peer, wait_for
+from sahajbert.localswarm import read_train_log as train_log
+
+from .swarm_helpers import LOCAL, ROOT, TINY_TRAINING, last_step
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def first_peer(tmp_path, request):
+    run_id = request.node.name.replace("[", "_").replace("]", "")[:40]
+    peer, initial_peers = start_first_peer(tmp_path / "first_peer", run_id)
+    yield run_id, initial_peers
+    peer.stop()
+
+
+def trainer(tmp_path, name, run_id, initial_peers, *extra) -> PeerProcess:
+    args = [
+        "--run_id",
+        run_id,
+        "--initial_peers",
+        *initial_peers,
+        "--output_dir",
+        str(tmp_path / name),
+        *TINY_TRAINING,
+        *extra,
+    ]
+    return PeerProcess("run_trainer.py", args, tmp_path / f"{name}.log")
+
+
+def weighted_loss(records: list[dict]) -> float:
+    """Mean loss per mini-step over some global steps (a peer may contribute few mini-steps to one step)."""
+    return sum(r["loss"] * r["mini_steps"] for r in records) / sum(r["mini_steps"] for r in records)
+
+
+def weights(checkpoint) -> dict[str, torch.Tensor]:
+    return AlbertForPreTraining.from_pretrained(checkpoint).state_dict()
+
+
+def test_two_trainers_make_global_steps_and_agree(tmp_path, first_peer):
+    run_id, initial_peers = first_peer
+    peers = [trainer(tmp_path, f"t{i}", run_id, initial_peers, "--max_steps", "5") for i in range(2)]
+    try:
+        for peer in peers:
+            assert peer.wait(300) == 0, peer.output()[-3000:]
+    finally:
+        for peer in peers:
+            peer.stop()
+    logs = [train_log(tmp_path / f"t{i}") for i in range(2)]
+    for log in logs:
+        assert log[-1]["step"] >= 5
+        assert max(r["peers"] for r in log) == 2, "both trainers must be counted in the same global steps"
+    # parameters end identical within fp16 compression tolerance
+    a, b = (weights(latest_checkpoint(tmp_path / f"t{i}")) for i in range(2))
+    assert latest_checkpoint(tmp_path / "t0").name == latest_checkpoint(tmp_path / "t1").name == "checkpoint-5"
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=2e-3, rtol=1e-2, msg=f"{name} differs between peers")
+    # the loss goes down (first vs last step, each averaged over a peer's mini-steps)
+    for log in logs:
+        assert weighted_loss(log[-2:]) < log[0]["loss"], [round(r["loss"], 3) for r in log]
+    # the checkpoint is a transformers model with its tokenizer beside it
+    checkpoint = latest_checkpoint(tmp_path / "t0")
+    assert AutoTokenizer.from_pretrained(checkpoint).mask_token_id == 4
+
+
+def test_late_trainer_downloads_state_and_continues(tmp_path, first_peer):
+    run_id, initial_peers = first_peer
+    # a long enough run that the late trainer (slow to start while two others use the CPU) still trains in it
+    early = [trainer(tmp_path, f"early{i}", run_id, initial_peers, "--max_steps", "12") for i in range(2)]
+    late = None
+    try:
+        wait_for(lambda: last_step(tmp_path / "early0") >= 2, 240, "the swarm to reach step 2")
+        late = trainer(tmp_path, "late", run_id, initial_peers, "--max_steps", "12")
+        for peer in [*early, late]:
+            assert peer.wait(300) == 0, peer.output()[-3000:]
+    finally:
+        for peer in [*early, *([late] if late else [])]:
+            peer.stop()
+    late_log = train_log(tmp_path / "late")
+    assert "downloading its state from peers" in late.output()
+    assert late_log[0]["step"] > 2, "the late trainer must continue from the swarm's step, not from 0"
+    assert late_log[-1]["step"] >= 12
+
+
+def test_killed_trainer_does_not_stop_the_swarm(tmp_path, first_peer):
+    run_id, initial_peers = first_peer
+    survivor = trainer(tmp_path, "survivor", run_id, initial_peers, "--max_steps", "6")
+    victim = trainer(tmp_path, "victim", run_id, initial_peers, "--max_steps", "100")
+    orphans = []
+    try:
+        wait_for(lambda: last_step(tmp_path / "survivor") >= 2, 240, "two global steps")
+        killed_at = last_step(tmp_path / "survivor")
+        orphans = victim.descendants()  # a SIGKILLed process cannot stop its DHT child and p2pd: the test does
+        victim.process.send_signal(signal.SIGKILL)
+        assert survivor.wait(300) == 0, survivor.output()[-3000:]
+    finally:
+        for child in orphans:
+            child.kill()
+        victim.stop()
+        survivor.stop()
+    assert last_step(tmp_path / "survivor") >= max(6, killed_at + 2)
+
+
+def test_collaboration_does_not_change_what_is_learned(tmp_path, first_peer):
+    """2 peers with batch b vs 1 peer with batch 2b, same target batch and global steps: similar loss."""
+    run_id, initial_peers = first_peer
+    common = ["--max_steps", "8", "--per_device_train_batch_size", "8", "--target_batch_size", "384"]
+    pair = [trainer(tmp_path, f"pair{i}", run_id, initial_peers, *common) for i in range(2)]
+    try:
+        for peer in pair:
+            assert peer.wait(400) == 0, peer.output()[-3000:]
+    finally:
+        for peer in pair:
+            peer.stop()
+    solo = trainer(tmp_path, "solo", run_id + "_solo", initial_peers, *common, "--per_device_train_batch_size", "16")
+    try:
+        assert solo.wait(400) == 0, solo.output()[-3000:]
+    finally:
+        solo.stop()
+
+    pair_loss = (
+        weighted_loss(train_log(tmp_path / "pair0")[-2:]) + weighted_loss(train_log(tmp_path / "pair1")[-2:])
+    ) / 2
+    solo_loss = weighted_loss(train_log(tmp_path / "solo")[-2:])
+    assert last_step(tmp_path / "solo") == last_step(tmp_path / "pair0") == 8
+    assert abs(pair_loss - solo_loss) / solo_loss < 0.05, (pair_loss, solo_loss)
+
+
+def test_trainer_resumes_from_its_checkpoint(tmp_path, first_peer):
+    run_id, initial_peers = first_peer
+    first = trainer(tmp_path, "resume", run_id, initial_peers, "--max_steps", "2")
+    assert first.wait(240) == 0, first.output()[-3000:]
+    first.stop()
+    second = trainer(tmp_path, "resume", run_id, initial_peers, "--max_steps", "4")
+    assert second.wait(240) == 0, second.output()[-3000:]
+    second.stop()
+    steps = [r["step"] for r in train_log(tmp_path / "resume")]
+    assert steps == [1, 2, 3, 4], steps
+    assert "resuming from" in second.output()
+    assert latest_checkpoint(tmp_path / "resume").name == "checkpoint-4"
+
+
+def test_sigterm_stops_cleanly_without_orphans(tmp_path, first_peer):
+    run_id, initial_peers = first_peer
+    peer = trainer(tmp_path, "term", run_id, initial_peers)
+    try:
+        wait_for(lambda: last_step(tmp_path / "term") >= 1, 240, "a first global step")
+        children = [c for c in peer.descendants()]
+        assert any("p2pd" in c.name() for c in children), [c.name() for c in children]
+        peer.process.send_signal(signal.SIGTERM)
+        assert peer.wait(90) == 0, peer.output()[-3000:]
+    finally:
+        peer.stop()
+    assert "stop requested" in peer.output()
+    gone, alive = psutil.wait_procs(children, timeout=15)
+    assert not alive, f"orphaned processes: {[p.name() for p in alive]}"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--initial_peers", "1.2.3.4:1337"], "must be a libp2p multiaddr"),
+        (
+            [
+                "--initial_peers",
+                "/ip4/127.0.0.1/tcp/9/p2p/QmXa1yGyEqqZrNqBGNd3YjUVWyKwYQ8Uw3tWNBhJuLbX9f",
+                "--join_timeout",
+                "10",
+            ],
+            "could not join the swarm",
+        ),
+        (["--tokenizer_path", "/nonexistent/tokenizer"], "tokenizer"),
+        (["--model", "albert-huge"], "unknown model 'albert-huge'"),
+        (["--per_device_train_batch_size", "0"], "per_device_train_batch_size must be at least 1"),
+    ],
+)
+def test_bad_input_is_one_clear_line(tmp_path, args, message):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "run_trainer.py"), "--output_dir", str(tmp_path / "o"), *LOCAL, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=peer_env(),
+        cwd=ROOT,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error_lines) == 1 and message in error_lines[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,259 @@
+"""The parts a trainer is built from: presets, LAMB, schedule, rollback, checkpoints, precision, metrics."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AlbertConfig, AlbertForPreTraining
+
+from arguments import AveragingArguments, CollaborativeOptimizerArguments, SwarmArguments, TrainingArguments
+from sahajbert import checkpoints
+from sahajbert.cli import UserError
+from sahajbert.devices import DeviceInfo, choose_precision
+from sahajbert.metrics import LocalMetrics, aggregate
+from sahajbert.model import PRESETS_DIR, build_model, load_config
+from sahajbert.optim import Lamb, lr_at_step, parameter_groups
+
+from .swarm_helpers import LOCAL, ROOT
+
+
+def test_presets_have_the_real_shapes():
+    base = AlbertConfig.from_json_file(PRESETS_DIR / "sahajbert.json")
+    assert (
+        base.hidden_size,
+        base.num_hidden_layers,
+        base.num_attention_heads,
+        base.intermediate_size,
+        base.embedding_size,
+        base.vocab_size,
+    ) == (1024, 24, 16, 4096, 128, 32000)
+    xl = AlbertConfig.from_json_file(PRESETS_DIR / "sahajbert-xl.json")
+    assert (xl.hidden_size, xl.num_hidden_layers, xl.num_attention_heads, xl.intermediate_size, xl.embedding_size) == (
+        2048,
+        24,
+        16,
+        8192,
+        128,
+    )
+
+
+def test_model_follows_the_tokenizer_and_seed(tokenizer):
+    config = load_config("sahajbert", tokenizer)
+    assert config.vocab_size == len(tokenizer) and config.pad_token_id == tokenizer.pad_token_id
+    a, b = build_model("tiny", tokenizer, seed=3), build_model("tiny", tokenizer, seed=3)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters())), "same seed, same start"
+    with pytest.raises(UserError, match="unknown model"):
+        load_config("albert-huge", tokenizer)
+
+
+def test_no_weight_decay_on_biases_and_every_layer_norm(tokenizer):
+    model = build_model("tiny", tokenizer, seed=0)
+    decay, no_decay = parameter_groups(model, 0.01)
+    names = {id(p): n for n, p in model.named_parameters()}
+    no_decay_names = {names[id(p)] for p in no_decay["params"]}
+    assert "albert.encoder.albert_layer_groups.0.albert_layers.0.full_layer_layer_norm.weight" in no_decay_names
+    assert all("bias" in n or "LayerNorm" in n or "layer_norm" in n for n in no_decay_names)
+    assert all(p.dim() > 1 for p in decay["params"])
+    assert no_decay["weight_decay"] == 0.0 and decay["weight_decay"] == 0.01
+
+
+def test_lamb_minimizes_and_scales_updates_by_weight_norm():
+    torch.manual_seed(0)
+    target = torch.randn(20, 20)
+    weight = torch.nn.Parameter(torch.randn(20, 20))
+    optimizer = Lamb([weight], lr=0.05, clamp_value=10_000.0)
+    start = (weight - target).pow(2).mean().item()
+    for step in range(200):
+        before = weight.detach().clone()
+        optimizer.zero_grad()
+        (weight - target).pow(2).mean().backward()
+        optimizer.step()
+        if step == 0:  # trust ratio: the first step moves the weights by exactly lr * ||w||
+            assert (weight - before).norm().item() == pytest.approx(0.05 * before.norm().item(), rel=1e-4)
+    assert (weight - target).pow(2).mean().item() < 0.01 * start
+
+
+def test_lamb_clamps_the_weight_norm():
+    weight = torch.nn.Parameter(torch.full((10, 10), 3.0))  # ||w|| = 30
+    optimizer = Lamb([weight], lr=0.1, clamp_value=10.0)
+    weight.sum().backward()
+    before = weight.detach().clone()
+    optimizer.step()
+    assert (weight - before).norm().item() == pytest.approx(0.1 * 10.0, rel=1e-4)
+
+
+def test_lr_schedule_shape():
+    assert lr_at_step(0, 1.0, 10, 110) == 0.0
+    assert lr_at_step(5, 1.0, 10, 110) == pytest.approx(0.5)
+    assert lr_at_step(10, 1.0, 10, 110) == pytest.approx(1.0)
+    assert lr_at_step(60, 1.0, 10, 110) == pytest.approx(0.5)
+    assert lr_at_step(200, 1.0, 10, 110) == 0.0
+
+
+@pytest.fixture
+def lonely_optimizer(tokenizer):
+    """A real hivemind.Optimizer in a one-peer swarm, built by the same factory as the trainer's."""
+    import hivemind
+
+    from sahajbert.optim import build_collaborative_optimizer
+
+    model = build_model("tiny", tokenizer, seed=0)
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    args = dict(
+        swarm_args=SwarmArguments(run_id="lonely"),
+        averaging_args=AveragingArguments(matchmaking_time=1.0),
+        optimizer_args=CollaborativeOptimizerArguments(
+            target_batch_size=8, delay_optimizer_step=False, delay_grad_averaging=False
+        ),
+        training_args=TrainingArguments(
+            per_device_train_batch_size=4, learning_rate=0.01, warmup_steps=4, total_steps=100
+        ),
+    )
+    optimizer = build_collaborative_optimizer(model, dht, **args)
+    yield model, optimizer
+    optimizer.shutdown()
+    dht.shutdown()
+
+
+def train_one_batch(model, optimizer):
+    torch.manual_seed(optimizer.local_epoch)
+    batch = {
+        "input_ids": torch.randint(5, 100, (4, 16)),
+        "labels": torch.randint(5, 100, (4, 16)),
+        "sentence_order_label": torch.randint(0, 2, (4,)),
+    }
+    model(**batch).loss.backward()
+    optimizer.step(batch_size=4)
+    optimizer.zero_grad()
+
+
+def test_schedule_follows_the_global_step_not_mini_steps(lonely_optimizer):
+    model, optimizer = lonely_optimizer
+    for _ in range(6):  # 6 mini-steps of 4 samples = 3 global steps of 8 samples
+        train_one_batch(model, optimizer)
+    assert optimizer.local_epoch == 3
+    assert optimizer.opt.param_groups[0]["lr"] == pytest.approx(lr_at_step(3, 0.01, 4, 100))
+
+
+def test_non_finite_parameters_roll_back_to_the_last_good_state(lonely_optimizer):
+    from sahajbert.training import LastGoodState
+
+    model, optimizer = lonely_optimizer
+    train_one_batch(model, optimizer)
+    train_one_batch(model, optimizer)
+    good = LastGoodState(optimizer)
+    good.save()
+    saved = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        next(model.parameters()).fill_(float("nan"))
+    assert not good.parameters_finite()
+    good.restore()
+    assert good.parameters_finite()
+    assert all(torch.equal(a, b) for a, b in zip(saved, model.parameters()))
+    train_one_batch(model, optimizer)  # and training goes on from there
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_checkpoints_are_atomic_and_pruned(tmp_path, tokenizer):
+    model = build_model("tiny", tokenizer, seed=0)
+    for step in (1, 2, 3, 4):
+        checkpoints.save_checkpoint(tmp_path, step, model, tokenizer, {"state": {}, "param_groups": []}, keep=2)
+    assert [s for s, _ in checkpoints.list_checkpoints(tmp_path)] == [3, 4]
+    # a crash mid-save leaves a temporary folder (and maybe a folder without its state file): never the latest
+    (tmp_path / ".tmp-checkpoint-9-123").mkdir()
+    (tmp_path / "checkpoint-7").mkdir()
+    (tmp_path / "checkpoint-7" / "config.json").write_text("{}")
+    assert checkpoints.latest_checkpoint(tmp_path).name == "checkpoint-4"
+    latest = checkpoints.latest_checkpoint(tmp_path)
+    assert AlbertForPreTraining.from_pretrained(latest).config.vocab_size == len(tokenizer)
+    assert json.loads((latest / "trainer_state.json").read_text())["global_step"] == 4
+    # saving the same step again replaces it whole
+    checkpoints.save_checkpoint(tmp_path, 4, model, tokenizer, None, {"loss": 1.5}, keep=2)
+    assert checkpoints.read_state(latest)["loss"] == 1.5 and not (latest / "optimizer.pt").exists()
+    (latest / "trainer_state.json").write_text("{not json")
+    with pytest.raises(UserError, match="unreadable"):
+        checkpoints.read_state(latest)
+
+
+@pytest.mark.parametrize(
+    "device, requested, expected",
+    [
+        (DeviceInfo("cuda", "Tesla T4", (7, 5), 15.0), "auto", "fp16"),
+        (DeviceInfo("cuda", "Tesla V100", (7, 0), 16.0), "auto", "fp16"),
+        (DeviceInfo("cuda", "Tesla P100", (6, 0), 16.0), "auto", "fp32"),
+        (DeviceInfo("cuda", "A100", (8, 0), 40.0), "bf16", "bf16"),
+        (DeviceInfo("cuda", "H100", (9, 0), 80.0), "auto", "fp16"),
+        (DeviceInfo("cpu", "cpu"), "auto", "fp32"),
+        (DeviceInfo("cpu", "cpu"), "bf16", "bf16"),
+    ],
+)
+def test_precision_policy(device, requested, expected):
+    assert choose_precision(device, requested) == expected
+
+
+@pytest.mark.parametrize(
+    "device, requested, message",
+    [
+        (DeviceInfo("cpu", "cpu"), "fp16", "needs a CUDA GPU"),
+        (DeviceInfo("cuda", "Tesla T4", (7, 5), 15.0), "bf16", "Ampere or newer"),
+    ],
+)
+def test_precision_policy_rejects_what_the_device_cannot_do(device, requested, message):
+    with pytest.raises(UserError, match=message):
+        choose_precision(device, requested)
+
+
+def test_aggregate_is_loss_sum_over_mini_steps():
+    records = [
+        LocalMetrics(step=5, samples_per_second=10.0, samples_accumulated=64, loss=8.0, mini_steps=4),
+        LocalMetrics(step=5, samples_per_second=30.0, samples_accumulated=192, loss=12.0, mini_steps=12),
+        LocalMetrics(step=4, samples_per_second=5.0, samples_accumulated=32, loss=100.0, mini_steps=2),
+    ]
+    summary = aggregate(records)
+    assert summary.step == 5 and summary.loss == pytest.approx(20.0 / 16)
+    assert summary.alive_peers == 3 and summary.samples_per_second == 45.0 and summary.samples_accumulated == 256
+    assert aggregate([]) is None
+
+
+@pytest.mark.slow
+def test_first_peer_keeps_its_id_and_stops_on_sigterm(tmp_path):
+    from sahajbert.localswarm import PeerProcess, wait_for
+
+    identity = tmp_path / "id.key"
+    ids = []
+    for attempt in range(2):
+        peer = PeerProcess(
+            "run_first_peer.py", ["--identity_path", str(identity), *LOCAL], tmp_path / f"fp{attempt}.log"
+        )
+        line = wait_for(
+            lambda peer=peer: next((x for x in peer.output().splitlines() if "--initial_peers" in x), None),
+            60,
+            "the --initial_peers line",
+        )
+        assert line.startswith("python run_trainer.py --run_id sahajbert --initial_peers /ip4/127.0.0.1/tcp/")
+        ids.append(line.rsplit("/p2p/", 1)[1])
+        peer.process.terminate()
+        assert peer.wait(30) == 0, peer.output()
+        peer.stop()
+    assert identity.exists() and ids[0] == ids[1], "the same identity file must give the same peer id"
+
+
+def test_scripts_answer_help_offline():
+    for script in (
+        "run_trainer.py",
+        "run_first_peer.py",
+        "run_local_swarm.py",
+        "tokenizer/train_tokenizer.py",
+        "data/preview.py",
+    ):
+        result = subprocess.run(
+            [sys.executable, str(ROOT / script), "--help"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
+        assert result.returncode == 0 and "usage:" in result.stdout, (script, result.stderr[-500:])

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import transformers
+
 from sahajbert.corpus import DEFAULT_SOURCES, HUB_SOURCES
 
 REPO_ROOT = Path(__file__).resolve().parent
@@ -244,3 +246,67 @@ class LocalSwarmArguments:
     timeout: float = field(
         default=600.0, metadata={"help": "Give up (and stop every process) after this many seconds."}
     )
+
+
+@dataclass
+class FinetuneArguments:
+    """finetune/train_ner.py and finetune/train_ncc.py: model and data of a downstream task."""
+
+    model_name_or_path: str = field(
+        metadata={"help": "A pretraining checkpoint folder (e.g. outputs/demo/trainer0/checkpoint-10) or a Hub name."}
+    )
+    dataset_name: Optional[str] = field(
+        default=None, metadata={"help": "Hub dataset (default: unimelb-nlp/wikiann for NER, ai4bharat/indic_glue)."}
+    )
+    dataset_config: Optional[str] = field(
+        default=None, metadata={"help": "Hub dataset config (default: bn for NER, sna.bn for classification)."}
+    )
+    train_file: Optional[str] = field(
+        default=None, metadata={"help": "Local training file: CoNLL or JSONL for NER, CSV or JSONL for news."}
+    )
+    validation_file: Optional[str] = field(default=None, metadata={"help": "Local validation file (same formats)."})
+    test_file: Optional[str] = field(default=None, metadata={"help": "Local test file (same formats)."})
+    max_seq_length: int = field(default=128, metadata={"help": "Tokens per example after truncation."})
+    max_train_samples: Optional[int] = field(
+        default=None, metadata={"help": "Use only this many training examples (quick runs)."}
+    )
+    early_stopping_patience: int = field(
+        default=3, metadata={"help": "Stop after this many evaluations (epochs) without improvement."}
+    )
+    early_stopping_threshold: float = field(
+        default=0.0, metadata={"help": "Smallest improvement of the validation metric that counts."}
+    )
+
+    def __post_init__(self):
+        local = [self.train_file, self.validation_file, self.test_file]
+        if any(local) and not all(local):
+            raise ValueError("give all three of --train_file, --validation_file and --test_file, or none")
+
+
+@dataclass
+class FinetuneTrainingArguments(transformers.TrainingArguments):
+    """The usual transformers training flags, with defaults for evaluation every epoch and keeping the best model."""
+
+    output_dir: str = field(default="outputs/finetune", metadata={"help": "Where the model and results.json go."})
+    num_train_epochs: float = field(default=10.0, metadata={"help": "Most epochs (early stopping may end sooner)."})
+    learning_rate: float = field(default=5e-5, metadata={"help": "Peak AdamW learning rate."})
+    per_device_train_batch_size: int = field(default=16, metadata={"help": "Training batch size per device."})
+    per_device_eval_batch_size: int = field(default=64, metadata={"help": "Evaluation batch size per device."})
+    eval_strategy: str = field(default="epoch", metadata={"help": "When to evaluate (every epoch)."})
+    save_strategy: str = field(default="epoch", metadata={"help": "When to save (every epoch, best kept)."})
+    logging_strategy: str = field(default="epoch", metadata={"help": "When to log training loss."})
+    load_best_model_at_end: bool = field(default=True, metadata={"help": "Test the best epoch, not the last."})
+    save_total_limit: int = field(default=1, metadata={"help": "Checkpoints kept besides the best one."})
+    report_to: str = field(default="none", metadata={"help": "Logging integrations (e.g. wandb)."})
+
+
+@dataclass
+class EvaluationArguments:
+    """finetune/evaluate.py: both tasks, several seeds, one or more models, one table."""
+
+    models: list[str] = field(metadata={"help": "Model folders or Hub names to compare, side by side."})
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2], metadata={"help": "Fine-tuning seeds per model."})
+    tasks: list[str] = field(default_factory=lambda: ["ner", "ncc"], metadata={"help": "Tasks: ner, ncc."})
+    output_dir: str = field(default="outputs/evaluation", metadata={"help": "Runs, results.md and results.json."})
+    ner_args: str = field(default="", metadata={"help": "Extra flags for every NER run, e.g. '--train_file ...'."})
+    ncc_args: str = field(default="", metadata={"help": "Extra flags for every classification run."})

@@ -1,0 +1,49 @@
+#!/usr/bin/env python
+"""Both downstream tasks, several seeds, one or more models: the paper's table (mean ± std), side by side."""
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere: the repo root holds the library
+
+from arguments import EvaluationArguments, FinetuneArguments, FinetuneTrainingArguments  # noqa: E402
+from sahajbert.cli import UserError, parse_args, run, setup_logging  # noqa: E402
+
+logger = logging.getLogger("evaluate")
+
+
+def main(argv=None) -> int:
+    setup_logging()
+    (args,) = parse_args((EvaluationArguments,), argv)
+    from sahajbert.finetuning import TASKS, markdown_table, run_task, split_args, summarize
+
+    unknown = sorted(set(args.tasks) - set(TASKS))
+    if unknown:
+        raise UserError(f"unknown task(s) {unknown}: use {', '.join(TASKS)}")
+    output_dir = Path(args.output_dir)
+    runs = []
+    for model_index, model in enumerate(args.models):
+        for task in args.tasks:
+            for seed in args.seeds:
+                run_dir = output_dir / f"model{model_index}" / task / f"seed{seed}"
+                extra = split_args(args.ner_args if task == "ner" else args.ncc_args)
+                finetune_args, training_args = parse_args(
+                    (FinetuneArguments, FinetuneTrainingArguments),
+                    ["--model_name_or_path", model, "--seed", str(seed), "--output_dir", str(run_dir), *extra],
+                )
+                logger.info(f"{model} / {task} / seed {seed}")
+                runs.append(run_task(task, finetune_args, training_args))
+    table = summarize(runs)
+    markdown = markdown_table(table, args.tasks)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "results.md").write_text(markdown + "\n")
+    (output_dir / "results.json").write_text(json.dumps({"table": table, "runs": runs}, indent=2, ensure_ascii=False))
+    print(f"\ntest scores over seeds {args.seeds} (mean ± std, %)\n\n{markdown}\n")
+    print(f"saved {output_dir / 'results.md'} and {output_dir / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,23 @@
+#!/usr/bin/env python
+"""Fine-tune on Bengali news classification (IndicGLUE sna.bn, or local CSV/JSONL files): accuracy, macro-F1."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere: the repo root holds the library
+
+from arguments import FinetuneArguments, FinetuneTrainingArguments  # noqa: E402
+from sahajbert.cli import parse_args, run, setup_logging  # noqa: E402
+
+
+def main(argv=None) -> int:
+    setup_logging()
+    finetune_args, training_args = parse_args((FinetuneArguments, FinetuneTrainingArguments), argv)
+    from sahajbert.finetuning import run_task
+
+    run_task("ncc", finetune_args, training_args)
+    return 0
+
+
+if __name__ == "__main__":
+    run(main)

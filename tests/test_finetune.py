@@ -1,0 +1,238 @@
+"""Downstream evaluation end to end, on a tiny checkpoint made by the pretraining code itself."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from sahajbert.checkpoints import latest_checkpoint
+from sahajbert.finetuning import NER_LABELS, encode_ner, markdown_table, ner_metrics, news_metrics, summarize
+from sahajbert.localswarm import PeerProcess, start_first_peer
+
+from .swarm_helpers import ROOT, TINY_TRAINING
+
+SAMPLE = ROOT / "finetune" / "sample"
+NER_FILES = [
+    "--train_file",
+    str(SAMPLE / "ner_train.conll"),
+    "--validation_file",
+    str(SAMPLE / "ner_validation.conll"),
+    "--test_file",
+    str(SAMPLE / "ner_test.jsonl"),
+]
+NEWS_FILES = [
+    "--train_file",
+    str(SAMPLE / "news_train.csv"),
+    "--validation_file",
+    str(SAMPLE / "news_validation.csv"),
+    "--test_file",
+    str(SAMPLE / "news_test.csv"),
+]
+QUICK = ["--learning_rate", "3e-3", "--per_device_train_batch_size", "16", "--disable_tqdm", "true"]
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """Two global steps of real collaborative pretraining (first peer + one trainer) -> its checkpoint."""
+    workdir = tmp_path_factory.mktemp("pretrain")
+    first_peer, initial_peers = start_first_peer(workdir, "finetune_fixture")
+    args = [
+        "--run_id",
+        "finetune_fixture",
+        "--initial_peers",
+        *initial_peers,
+        *TINY_TRAINING,
+        "--max_steps",
+        "2",
+        "--target_batch_size",
+        "64",
+        "--output_dir",
+        str(workdir / "trainer"),
+    ]
+    trainer = PeerProcess("run_trainer.py", args, workdir / "trainer.log")
+    try:
+        assert trainer.wait(240) == 0, trainer.output()[-3000:]
+    finally:
+        trainer.stop()
+        first_peer.stop()
+    return str(latest_checkpoint(workdir / "trainer"))
+
+
+def run_script(script, args):
+    return subprocess.run(
+        [sys.executable, str(ROOT / "finetune" / script), *args], capture_output=True, text=True, timeout=600, cwd=ROOT
+    )
+
+
+@pytest.mark.slow
+def test_ner_learns_and_writes_results(pretrained, tmp_path):
+    result = run_script(
+        "train_ner.py",
+        [
+            "--model_name_or_path",
+            pretrained,
+            *NER_FILES,
+            *QUICK,
+            "--num_train_epochs",
+            "6",
+            "--output_dir",
+            str(tmp_path),
+        ],
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert set(results["test"]) >= {"precision", "recall", "f1"}
+    assert results["test"]["f1"] > results["majority_baseline_test"]["f1"] + 0.3, results["test"]
+    assert (tmp_path / "config.json").exists(), "the best model is saved"
+
+
+@pytest.mark.slow
+def test_news_classification_learns_and_writes_results(pretrained, tmp_path):
+    result = run_script(
+        "train_ncc.py",
+        [
+            "--model_name_or_path",
+            pretrained,
+            *NEWS_FILES,
+            *QUICK,
+            "--num_train_epochs",
+            "8",
+            "--output_dir",
+            str(tmp_path),
+        ],
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert set(results["test"]) >= {"accuracy", "macro_f1"}
+    assert results["test"]["accuracy"] > results["majority_baseline_test"]["accuracy"] + 0.2, results["test"]
+
+
+@pytest.mark.slow
+def test_early_stopping_keeps_the_best_epoch(pretrained, tmp_path):
+    # patience 1 with an impossible threshold: it stops after the second epoch and reports the first (best) one
+    result = run_script(
+        "train_ncc.py",
+        [
+            "--model_name_or_path",
+            pretrained,
+            *NEWS_FILES,
+            *QUICK,
+            "--num_train_epochs",
+            "10",
+            "--early_stopping_patience",
+            "1",
+            "--early_stopping_threshold",
+            "1.0",
+            "--output_dir",
+            str(tmp_path),
+        ],
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["epochs_trained"] == 2.0
+
+
+@pytest.mark.slow
+def test_evaluate_prints_the_table(pretrained, tmp_path):
+    files = " ".join(NER_FILES)
+    news = " ".join(NEWS_FILES)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "finetune" / "evaluate.py"),
+            "--models",
+            pretrained,
+            "--seeds",
+            "0",
+            "1",
+            "--output_dir",
+            str(tmp_path),
+            "--ner_args",
+            f"{files} --num_train_epochs 2 {' '.join(QUICK)}",
+            "--ncc_args",
+            f"{news} --num_train_epochs 2 {' '.join(QUICK)}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| model | NER F1 (WikiANN bn) | News accuracy (sna.bn) |" in result.stdout
+    assert " ± " in result.stdout.split("| model |", 1)[1]
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert len(saved["runs"]) == 4 and len(saved["table"][pretrained]["ner"]["scores"]) == 2
+    assert (tmp_path / "results.md").read_text().startswith("| model |")
+
+
+def test_seqeval_on_a_hand_made_example():
+    ids = {name: i for i, name in enumerate(NER_LABELS)}
+    # gold: [PER: 0-1] [LOC: 3]      predicted: [PER: 0-1] [ORG: 3] [LOC: 5]
+    gold = ["B-PER", "I-PER", "O", "B-LOC", "O", "O"]
+    pred = ["B-PER", "I-PER", "O", "B-ORG", "O", "B-LOC"]
+    labels = np.array([[ids[t] for t in gold] + [-100]])
+    predictions = np.array([[ids[t] for t in pred] + [ids["B-PER"]]])  # the -100 position is ignored
+    scores = ner_metrics(predictions, labels)
+    assert scores["precision"] == pytest.approx(1 / 3) and scores["recall"] == pytest.approx(1 / 2)
+    assert scores["f1"] == pytest.approx(2 * (1 / 3) * (1 / 2) / (1 / 3 + 1 / 2))
+
+
+def test_news_metrics_accuracy_and_macro_f1():
+    scores = news_metrics(np.array([0, 0, 1, 3]), np.array([0, 1, 1, 3]))
+    assert scores["accuracy"] == 0.75
+    assert scores["macro_f1"] == pytest.approx(np.mean([2 / 3, 2 / 3, 1.0, 0, 0, 0]))
+
+
+def test_only_the_first_sub_token_is_labelled(tokenizer):
+    record = {"tokens": ["বঙ্গোপসাগরের", "তীরে", "ঢাকা"], "ner_tags": ["B-LOC", "O", "B-LOC"]}
+    (encoded,) = encode_ner([record], tokenizer, 64)
+    words = tokenizer(record["tokens"], is_split_into_words=True).word_ids()
+    assert words.count(0) > 1, "the test needs a word split into several pieces"
+    labelled = [label for label in encoded["labels"] if label != -100]
+    assert labelled == [NER_LABELS.index(t) for t in record["ner_tags"]]
+    first = words.index(0)
+    assert encoded["labels"][first] == NER_LABELS.index("B-LOC") and encoded["labels"][first + 1] == -100
+
+
+def test_summary_table():
+    runs = [{"task": "ner", "model_name_or_path": "m", "test": {"f1": f}} for f in (0.9, 0.8)]
+    table = summarize(runs)
+    assert table["m"]["ner"]["mean"] == pytest.approx(0.85) and table["m"]["ner"]["std"] == pytest.approx(0.05)
+    assert "85.00 ± 5.00" in markdown_table(table, ["ner", "ncc"])
+
+
+@pytest.mark.parametrize(
+    "script, files, content, message",
+    [
+        ("train_ner.py", "conll", "ঢাকা B-MISC\n", "unknown label(s) ['B-MISC']"),
+        ("train_ner.py", "jsonl", '{"tokens": ["ঢাকা", "শহর"], "ner_tags": ["B-LOC"]}\n', "2 tokens but 1 tags"),
+        ("train_ner.py", "conll", "ঢাকা\n", "expected 'token TAG'"),
+        ("train_ncc.py", "csv", "text,label\nখেলা হবে।,weather\n", "unknown label(s) ['weather']"),
+    ],
+)
+def test_bad_data_is_one_clear_line(tmp_path, script, files, content, message):
+    path = tmp_path / f"bad.{files}"
+    path.write_text(content, encoding="utf-8")
+    args = [
+        "--model_name_or_path",
+        str(ROOT / "tokenizer" / "sample"),
+        "--train_file",
+        str(path),
+        "--validation_file",
+        str(path),
+        "--test_file",
+        str(path),
+        "--output_dir",
+        str(tmp_path / "o"),
+    ]
+    result = run_script(script, args)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_model_folder_without_tokenizer(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    result = run_script("train_ner.py", ["--model_name_or_path", str(tmp_path / "model"), *NER_FILES])
+    assert result.returncode == 2 and "has no tokenizer" in result.stderr and "Traceback" not in result.stderr

@@ -310,3 +310,55 @@ class EvaluationArguments:
     output_dir: str = field(default="outputs/evaluation", metadata={"help": "Runs, results.md and results.json."})
     ner_args: str = field(default="", metadata={"help": "Extra flags for every NER run, e.g. '--train_file ...'."})
     ncc_args: str = field(default="", metadata={"help": "Extra flags for every classification run."})
+
+
+@dataclass
+class AuxPeerArguments:
+    """run_aux_peer.py: watch the swarm, save and publish its state, help it average."""
+
+    refresh_period: float = field(default=10.0, metadata={"help": "Seconds between reads of the peers' metrics."})
+    checkpoint_every: int = field(
+        default=100,
+        metadata={"help": "Download the swarm's state and save a checkpoint every this many global steps."},
+    )
+    wandb_project: Optional[str] = field(
+        default=None, metadata={"help": "Log the swarm's metrics to this wandb project (WANDB_MODE=offline works)."}
+    )
+    push_to_hub: bool = field(
+        default=False, metadata={"help": "Upload the latest checkpoint to the Hugging Face Hub."}
+    )
+    hub_model_id: Optional[str] = field(default=None, metadata={"help": "Hub repo to upload to, as org/name."})
+    upload_interval: float = field(default=3600.0, metadata={"help": "Seconds between Hub uploads (and retries)."})
+    assist_in_averaging: bool = field(
+        default=False, metadata={"help": "Take part in all-reduce without training (needs incoming connections)."}
+    )
+    initial_state: Optional[str] = field(
+        default=None,
+        metadata={"help": "Checkpoint folder to serve to joining trainers (seed or rescue a run), at its step."},
+    )
+    dashboard_port: Optional[int] = field(
+        default=None, metadata={"help": "Serve the live dashboard on this port (0: any free port)."}
+    )
+    dashboard_host: str = field(default="127.0.0.1", metadata={"help": "Address the dashboard listens on."})
+
+    def __post_init__(self):
+        if self.push_to_hub and not self.hub_model_id:
+            raise ValueError("--push_to_hub needs --hub_model_id org/name")
+        if self.checkpoint_every < 1:
+            raise ValueError(f"--checkpoint_every must be at least 1, got {self.checkpoint_every}")
+
+
+@dataclass
+class TrainerScriptArguments:
+    """run_trainer.py's own switches."""
+
+    auto_config: bool = field(
+        default=False,
+        metadata={
+            "help": "Choose device, precision, batch size, gradient checkpointing and client mode from this "
+            "machine's hardware; flags you give explicitly still win."
+        },
+    )
+    check: bool = field(
+        default=False, metadata={"help": "Run the preflight checklist (p2pd, peers, limits, versions, disk) and exit."}
+    )

@@ -1,5 +1,10 @@
 #!/usr/bin/env python
-"""A volunteer's trainer peer: `python run_trainer.py --run_id sahajbert --initial_peers <from run_first_peer.py>`."""
+"""A volunteer's trainer peer: `python run_trainer.py --run_id sahajbert --initial_peers <from run_first_peer.py>`.
+
+`--auto_config` picks settings from the hardware; `--check` runs the preflight checklist instead of training.
+"""
+
+import sys
 
 from arguments import (
     AveragingArguments,
@@ -7,6 +12,7 @@ from arguments import (
     CorpusArguments,
     ModelArguments,
     SwarmArguments,
+    TrainerScriptArguments,
     TrainingArguments,
 )
 from sahajbert.cli import parse_args, run, setup_logging
@@ -18,15 +24,36 @@ ARGUMENTS = (
     ModelArguments,
     TrainingArguments,
     CorpusArguments,
+    TrainerScriptArguments,
 )
 
 
 def main(argv=None) -> int:
     setup_logging()
-    args = parse_args(ARGUMENTS, argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    swarm, averaging, optimizer, model, training, corpus, script = parse_args(ARGUMENTS, argv)
+    if script.auto_config:
+        from sahajbert.devices import auto_configure, describe_device
+
+        device = describe_device(training.device)
+        hardware = auto_configure(device)
+        print(f"auto config for {device.name}: {' '.join(hardware.as_flags())}", flush=True)
+        # explicit flags come after the automatic ones, so they win
+        swarm, averaging, optimizer, model, training, corpus, script = parse_args(
+            ARGUMENTS, hardware.as_flags() + argv
+        )
+    if script.check:
+        from sahajbert.preflight import run_checks
+
+        checks = run_checks(swarm, training, model)
+        print("\n".join(check.line() for check in checks), flush=True)
+        failed = [check.name for check in checks if check.status == "fail"]
+        summary = f"{len(checks) - len(failed)}/{len(checks)} checks passed"
+        print(summary + (f"; failed: {', '.join(failed)}" if failed else ""), flush=True)
+        return 1 if failed else 0
     from sahajbert.training import train  # heavy imports after parsing, so --help and bad flags answer at once
 
-    result = train(*args)
+    result = train(swarm, averaging, optimizer, model, training, corpus)
     print(
         f"trainer stopped at global step {result.final_step}"
         + (f"; checkpoint {result.checkpoint}" if result.checkpoint else "")

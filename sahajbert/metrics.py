@@ -22,6 +22,9 @@ class LocalMetrics(pydantic.BaseModel):
 class MetricSchema(pydantic.BaseModel):
     # the subkey must hold the writer's public key: RSASignatureValidator then lets only its owner write it
     metrics: dict[BytesWithPublicKey, LocalMetrics]
+    # global step of a state an aux peer serves (--initial_state). hivemind publishes no progress for peers that
+    # accumulate no samples, so without this a trainer joining a rescued run could not know that it is behind.
+    state: dict[BytesWithPublicKey, pydantic.conint(ge=0, strict=True)]
 
 
 def metrics_key(run_id: str) -> str:
@@ -43,6 +46,25 @@ def publish(dht: hivemind.DHT, run_id: str, public_key: bytes, metrics: LocalMet
         expiration_time=get_dht_time() + expiration,
         return_future=True,
     )
+
+
+def announce_state(dht: hivemind.DHT, run_id: str, public_key: bytes, step: int, expiration: float = 60.0):
+    """Tell joining trainers that this peer serves the swarm's state at global step `step`."""
+    return dht.store(
+        key=f"{run_id}_state",
+        subkey=public_key,
+        value=step,
+        expiration_time=get_dht_time() + expiration,
+        return_future=True,
+    )
+
+
+def fetch_announced_step(dht: hivemind.DHT, run_id: str) -> int:
+    """The highest global step that a peer announced to serve (0 if none)."""
+    entry = dht.get(f"{run_id}_state", latest=True)
+    if entry is None or not isinstance(entry.value, dict):
+        return 0
+    return max((item.value for item in entry.value.values() if isinstance(item.value, int)), default=0)
 
 
 def fetch(dht: hivemind.DHT, run_id: str) -> dict[bytes, LocalMetrics]:

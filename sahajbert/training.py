@@ -135,7 +135,7 @@ def train(swarm_args, averaging_args, optimizer_args, model_args, training_args,
             if state is not None:
                 optimizer.load_state_dict(state)
                 optimizer.state_averager._update_scheduler()  # the LR follows the restored global step
-        _catch_up_with_swarm(optimizer)
+        _catch_up_with_swarm(optimizer, dht, swarm_args.run_id)
 
         collator = PretrainingCollator.from_tokenizer(
             tokenizer,
@@ -170,11 +170,15 @@ def train(swarm_args, averaging_args, optimizer_args, model_args, training_args,
         dht.shutdown()
 
 
-def _catch_up_with_swarm(optimizer: hivemind.Optimizer, timeout: float = 30.0) -> None:
-    """Download the swarm's current state now if it is ahead (instead of on the first step, silently)."""
+def _catch_up_with_swarm(optimizer: hivemind.Optimizer, dht, run_id: str, timeout: float = 30.0) -> None:
+    """Download the swarm's state now if it is ahead (instead of on the first step, silently).
+
+    Ahead means: trainers report a later global step, or an aux peer announces a state to rescue the run from.
+    """
     optimizer.tracker.fetched_global_progress_this_epoch.wait(timeout)
-    if optimizer.local_epoch < optimizer.tracker.global_epoch:
-        logger.info(f"the swarm is at step {optimizer.tracker.global_epoch}: downloading its state from peers")
+    swarm_step = max(optimizer.tracker.global_epoch, metrics.fetch_announced_step(dht, run_id))
+    if optimizer.local_epoch < swarm_step:
+        logger.info(f"the swarm is at step {swarm_step}: downloading its state from peers")
         optimizer.load_state_from_peers()
         logger.info(f"joined at global step {optimizer.local_epoch}")
 
@@ -203,7 +207,7 @@ def _training_loop(
     good_state.save()
 
     result = TrainResult(final_step=optimizer.local_epoch)
-    loss_sum, mini_steps, samples_this_step, skipped = 0.0, 0, 0, 0
+    loss_sum, mini_steps, samples_this_step, skipped, contributed = 0.0, 0, 0, 0, 0
     last_epoch, last_log = optimizer.local_epoch, time.monotonic()
     with open(output_dir / LOG_FILE, "a") as log_file:
         while not stop and not _reached(optimizer.local_epoch, training_args.max_steps):
@@ -233,8 +237,17 @@ def _training_loop(
             )
 
             if optimizer.local_epoch != last_epoch:
+                contributed += samples_this_step
                 record = _finish_global_step(
-                    optimizer, good_state, dht, public_key, swarm_args, loss_sum, mini_steps, samples_this_step
+                    optimizer,
+                    good_state,
+                    dht,
+                    public_key,
+                    swarm_args,
+                    loss_sum,
+                    mini_steps,
+                    samples_this_step,
+                    contributed,
                 )
                 result.steps.append(record)
                 log_file.write(json.dumps(record) + "\n")
@@ -265,7 +278,9 @@ def _reached(step: int, max_steps: int | None) -> bool:
     return max_steps is not None and step >= max_steps
 
 
-def _finish_global_step(optimizer, good_state, dht, public_key, swarm_args, loss_sum, mini_steps, samples) -> dict:
+def _finish_global_step(
+    optimizer, good_state, dht, public_key, swarm_args, loss_sum, mini_steps, samples, contributed
+) -> dict:
     """After the swarm's step: check parameters (roll back if broken), publish metrics, log one line."""
     if good_state.parameters_finite():
         good_state.save()
@@ -288,7 +303,10 @@ def _finish_global_step(optimizer, good_state, dht, public_key, swarm_args, loss
         )
         metrics.publish(dht, swarm_args.run_id, public_key, record)
     peers = optimizer.tracker.global_progress.num_peers
-    logger.info(f"global step {step} | loss {mean_loss:.4f} | {samples_per_second:.1f} samples/s | {peers} peer(s)")
+    logger.info(
+        f"global step {step} | loss {mean_loss:.4f} | {samples_per_second:.1f} samples/s | {peers} peer(s) | "
+        f"this peer contributed {contributed} samples so far"
+    )
     return {
         "step": step,
         "loss": mean_loss,

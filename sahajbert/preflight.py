@@ -1,0 +1,179 @@
+"""run_trainer.py --check: a checklist of what a volunteer's machine needs, each failure with its fix."""
+
+import ipaddress
+import re
+import resource
+import shutil
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+from sahajbert.cli import UserError
+
+REQUIREMENTS = Path(__file__).resolve().parents[1] / "requirements.txt"
+WANTED_OPEN_FILES = (
+    16_384  # hivemind keeps many sockets open; the common default of 1024 runs out ("too many open files")
+)
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # "ok" | "warn" | "fail"
+    detail: str
+    fix: str = ""
+
+    def line(self) -> str:
+        mark = {"ok": "[ ok ]", "warn": "[warn]", "fail": "[FAIL]"}[self.status]
+        return f"{mark} {self.name}: {self.detail}" + (f"\n       fix: {self.fix}" if self.fix else "")
+
+
+def check_open_files() -> Check:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < WANTED_OPEN_FILES:
+        target = WANTED_OPEN_FILES if hard == resource.RLIM_INFINITY else min(WANTED_OPEN_FILES, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft >= WANTED_OPEN_FILES:
+        return Check("open-files limit", "ok", f"{soft} (raised for this process where it was lower)")
+    return Check(
+        "open-files limit",
+        "fail",
+        f"{soft}, hard limit {hard}",
+        f"run `ulimit -n {WANTED_OPEN_FILES}` before starting (or raise the hard limit in limits.conf)",
+    )
+
+
+def check_versions(packages=("torch", "transformers", "hivemind", "datasets", "tokenizers")) -> Check:
+    """Installed versions against the ranges in requirements.txt (the ones the tests run with)."""
+    from packaging.requirements import Requirement
+
+    wanted = {}
+    for line in REQUIREMENTS.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            requirement = Requirement(line)
+            wanted[requirement.name.lower()] = requirement
+    problems, found = [], []
+    for name in packages:
+        try:
+            version = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            problems.append(f"{name} missing")
+            continue
+        found.append(f"{name} {version}")
+        if name in wanted and not wanted[name].specifier.contains(version, prereleases=True):
+            problems.append(f"{name} {version} not in {wanted[name].specifier}")
+    if problems:
+        return Check("versions", "fail", "; ".join(problems), f"pip install -r {REQUIREMENTS.name}")
+    return Check("versions", "ok", ", ".join(found))
+
+
+def checkpoint_bytes(model: str, tokenizer_size: int = 32_000) -> int:
+    """Disk for one checkpoint: fp32 weights plus LAMB's two moments (3 copies of the parameters)."""
+    import torch
+    from transformers import AlbertConfig, AlbertForPreTraining
+
+    from sahajbert.model import PRESETS, PRESETS_DIR
+
+    path = PRESETS_DIR / f"{model}.json" if model in PRESETS else Path(model)
+    config = AlbertConfig.from_json_file(path) if path.is_file() else AlbertConfig.from_pretrained(path)
+    config.vocab_size = max(config.vocab_size, tokenizer_size)
+    with torch.device("meta"):  # count parameters without allocating them
+        parameters = sum(p.numel() for p in AlbertForPreTraining(config).parameters())
+    return parameters * 4 * 3
+
+
+def check_disk(output_dir: str, model: str, keep: int) -> Check:
+    folder = Path(output_dir).resolve()
+    while not folder.exists():
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    needed = checkpoint_bytes(model) * (keep + 1)  # +1: the new one is written before the oldest is removed
+    detail = f"{free / 2**30:.1f} GiB free at {folder}, {needed / 2**30:.2f} GiB needed for {keep} checkpoints"
+    if free < needed:
+        return Check("disk space", "fail", detail, "free some space, lower --keep_checkpoints or change --output_dir")
+    return Check("disk space", "ok", detail)
+
+
+def _public(address: str) -> bool:
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return not (ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_unspecified)
+
+
+def run_checks(swarm_args, training_args, model_args) -> list[Check]:
+    """All checks, in the order a volunteer would fix them."""
+    import hivemind
+
+    from sahajbert.swarm import build_dht, validate_initial_peers
+
+    checks = [
+        check_versions(),
+        check_open_files(),
+        check_disk(training_args.output_dir, model_args.model, training_args.keep_checkpoints),
+    ]
+    try:
+        validate_initial_peers(swarm_args.initial_peers)
+    except UserError as e:
+        return checks + [Check("initial peers", "fail", str(e), "copy the line that run_first_peer.py printed")]
+    started = time.monotonic()
+    try:
+        local = hivemind.DHT(start=True, host_maddrs=swarm_args.host_maddrs, client_mode=True)
+        local.shutdown()
+        checks.append(Check("p2pd starts", "ok", f"libp2p daemon up in {time.monotonic() - started:.1f} s"))
+    except Exception as e:
+        return checks + [
+            Check(
+                "p2pd starts",
+                "fail",
+                f"{type(e).__name__}: {e}",
+                "reinstall hivemind (pip install --force-reinstall hivemind); it ships p2pd",
+            )
+        ]
+    if not swarm_args.initial_peers:
+        return checks + [
+            Check(
+                "initial peers", "fail", "none given", "pass --initial_peers with the line run_first_peer.py printed"
+            )
+        ]
+    started = time.monotonic()
+    try:
+        dht = build_dht(swarm_args)
+    except UserError as e:
+        return checks + [
+            Check(
+                "initial peers answer",
+                "fail",
+                str(e),
+                "check that the first peer runs and the address (IP, port, /p2p/ id) is exact; "
+                "a firewall may block the port",
+            )
+        ]
+    try:
+        checks.append(Check("initial peers answer", "ok", f"joined in {time.monotonic() - started:.1f} s"))
+        addresses = [str(m) for m in dht.get_visible_maddrs()]
+        public = [a for a in addresses if any(_public(x) for x in re.findall(r"/ip[46]/([^/]+)/", a))]
+        if swarm_args.client_mode:
+            checks.append(Check("reachable from outside", "ok", "client mode: no incoming connections needed"))
+        elif public:
+            checks.append(Check("reachable from outside", "ok", f"public address {public[0]} (not dialed back)"))
+        else:
+            checks.append(
+                Check(
+                    "reachable from outside",
+                    "warn",
+                    "only private or loopback addresses",
+                    "others cannot connect to this machine: add --client_mode (or --announce_maddrs "
+                    "with a forwarded public port)",
+                )
+            )
+    finally:
+        dht.shutdown()
+    return checks

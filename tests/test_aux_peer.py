@@ -1,0 +1,210 @@
+"""The aux peer with real trainers: checkpoints, wandb, dashboard in a real browser, forgery, upload, rescue."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import urllib.request
+
+import pytest
+from transformers import AlbertForPreTraining, AutoModel
+
+from sahajbert.checkpoints import list_checkpoints
+from sahajbert.localswarm import PeerProcess, read_train_log, start_first_peer, wait_for
+from sahajbert.metrics import LocalMetrics, SwarmSummary
+from sahajbert.monitor import SwarmMonitor
+
+from .swarm_helpers import TINY_TRAINING
+from .wandb_reader import history
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def test_monitor_counts_each_peers_samples_once_per_step():
+    monitor = SwarmMonitor("run")
+    a, b = b"key-a", b"key-b"
+    record = lambda step, samples: LocalMetrics(  # noqa: E731
+        step=step, samples_per_second=2.0, samples_accumulated=samples, loss=4.0, mini_steps=2
+    )
+    assert isinstance(monitor.update({a: record(1, 10), b: record(1, 30)}, now=100.0), SwarmSummary)
+    assert monitor.update({a: record(1, 10), b: record(1, 30)}, now=101.0) is None, "the same step twice"
+    summary = monitor.update({a: record(2, 20), b: record(1, 30)}, now=102.0)
+    assert summary.step == 2 and summary.loss == 2.0
+    state = monitor.state(now=105.0)
+    assert state["global_step"] == 2 and [h["step"] for h in state["history"]] == [1, 2]
+    contributed = {p["samples_contributed"] for p in state["peers"]}
+    assert contributed == {30}, "10 + 20 for a, 30 for b (its step-1 record counted once)"
+    assert {p["last_seen_seconds_ago"] for p in state["peers"]} == {3.0, 5.0}
+
+
+def aux(tmp_path, name, run_id, initial_peers, *extra) -> PeerProcess:
+    args = [
+        "--run_id",
+        run_id,
+        "--initial_peers",
+        *initial_peers,
+        *TINY_TRAINING,
+        "--output_dir",
+        str(tmp_path / name),
+        "--refresh_period",
+        "1",
+        *extra,
+    ]
+    return PeerProcess("run_aux_peer.py", args, tmp_path / f"{name}.log")
+
+
+def trainer(tmp_path, name, run_id, initial_peers, *extra) -> PeerProcess:
+    args = [
+        "--run_id",
+        run_id,
+        "--initial_peers",
+        *initial_peers,
+        *TINY_TRAINING,
+        "--output_dir",
+        str(tmp_path / name),
+        *extra,
+    ]
+    return PeerProcess("run_trainer.py", args, tmp_path / f"{name}.log")
+
+
+def forge_metrics(initial_peers, run_id) -> tuple[bool, bool]:
+    """From this test process (its own RSA key): overwrite a trainer's record, and store a malformed one."""
+    import hivemind
+    from hivemind.utils.timed_storage import get_dht_time
+
+    from sahajbert.metrics import fetch, make_validators, metrics_key
+
+    validators, own_key = make_validators(run_id)
+    dht = hivemind.DHT(
+        initial_peers=initial_peers, start=True, record_validators=validators, host_maddrs=["/ip4/127.0.0.1/tcp/0"]
+    )
+    try:
+        victim_key = next(key for key in fetch(dht, run_id) if key != own_key)  # a real trainer's subkey
+        expiration = get_dht_time() + 600
+        forged = dict(step=10**6, samples_per_second=1e9, samples_accumulated=10**9, loss=0.0, mini_steps=1)
+        other = dht.store(metrics_key(run_id), forged, expiration, subkey=victim_key)
+        malformed = dht.store(metrics_key(run_id), {**forged, "loss": "low"}, expiration, subkey=own_key)
+        return other, malformed
+    finally:
+        dht.shutdown()
+
+
+def dashboard_dom(url: str) -> str:
+    """Render the dashboard in headless Chromium and return the DOM after its scripts ran."""
+    result = subprocess.run(
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={os.environ.get('TMPDIR', '/tmp')}/chromium-{os.getpid()}",
+            "--virtual-time-budget=8000",
+            "--dump-dom",
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout
+
+
+@pytest.mark.slow
+def test_aux_peer_monitors_checkpoints_and_rescues_the_run(tmp_path):
+    if CHROMIUM is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI must install Debian's chromium for the dashboard test (.ci/run does)")
+        pytest.skip("chromium is not installed (apt-get install chromium)")
+    run_id = "aux_run"
+    first_peer, initial_peers = start_first_peer(tmp_path / "fp1", run_id)
+    monitor = aux(
+        tmp_path,
+        "aux",
+        run_id,
+        initial_peers,
+        "--checkpoint_every",
+        "2",
+        "--keep_checkpoints",
+        "10",
+        "--wandb_project",
+        "sahajbert-test",
+        "--dashboard_port",
+        "0",
+        "--push_to_hub",
+        "--hub_model_id",
+        "test-org/sahajbert-test",
+        "--upload_interval",
+        "2",
+    )
+    trainers = [trainer(tmp_path, f"t{i}", run_id, initial_peers, "--max_steps", "100") for i in range(2)]
+    orphans = []
+    try:
+        wait_for(lambda: len(list_checkpoints(tmp_path / "aux")) >= 3, 300, "three aux checkpoints")
+        # the dashboard, in a real browser, shows the swarm's numbers; the JSON endpoint has the same data
+        url = wait_for(lambda: re.search(r"dashboard at (http://\S+/)", monitor.output()), 10, "the URL").group(1)
+        state = json.loads(urllib.request.urlopen(url + "api/state", timeout=10).read())
+        assert state["run_id"] == run_id and state["global_step"] >= 2 and len(state["peers"]) == 2
+        dom = dashboard_dom(url)
+        shown_step = int(re.search(r'id="global_step">(\d+)<', dom).group(1))
+        assert shown_step >= state["global_step"]
+        table = re.search(r'<tbody id="peers">(.*?)</tbody>', dom, re.S).group(1)
+        assert table.count("<tr>") == 2, "one table row per trainer"
+        assert '<path d="M' in dom, "the charts were drawn"
+        for peer in state["peers"]:
+            assert f"<td>{peer['peer']}</td>" in table
+        # forged records are rejected by every DHT node and never shown
+        assert forge_metrics(initial_peers, run_id) == (False, False)
+        after = json.loads(urllib.request.urlopen(url + "api/state", timeout=10).read())
+        assert len(after["peers"]) == 2 and all(p["step"] < 10**6 for p in after["peers"])
+        # all trainers die
+        for peer in trainers:
+            orphans += peer.descendants()
+            peer.process.send_signal(signal.SIGKILL)
+    finally:
+        for child in orphans:
+            child.kill()
+        for peer in trainers:
+            peer.stop()
+        monitor.stop()
+        first_peer.stop()
+
+    saved = list_checkpoints(tmp_path / "aux")
+    steps = [step for step, _ in saved]
+    assert all(b - a >= 2 for a, b in zip(steps, steps[1:])), f"cadence of 2 global steps: {steps}"
+    last_step_saved, last_checkpoint = saved[-1]
+    assert AlbertForPreTraining.from_pretrained(last_checkpoint).config.vocab_size == 2000
+    assert AutoModel.from_pretrained(last_checkpoint) is not None
+    assert (last_checkpoint / "tokenizer.json").exists() and (last_checkpoint / "optimizer.pt").exists()
+    # the upload failed (no Hub here): logged with its message, retried, and the checkpoints are intact
+    log = monitor.output()
+    failures = re.findall(r"upload of checkpoint-\d+ to test-org/sahajbert-test failed: \w+", log)
+    assert len(failures) >= 2, log[-3000:]
+    assert "Traceback" not in log
+    # wandb (offline) holds what the monitor logged
+    (run_dir,) = (tmp_path / "aux" / "wandb").glob("offline-run-*")
+    rows = [row for row in history(run_dir) if "loss" in row]
+    assert len(rows) >= 2 and rows[-1]["step"] >= last_step_saved - 2
+    assert all(row["alive_peers"] >= 1 and row["loss"] > 0 for row in rows)
+
+    # rescue: every peer is gone; an aux peer serves the last checkpoint to a new swarm
+    first_peer, initial_peers = start_first_peer(tmp_path / "fp2", run_id)
+    rescue = aux(tmp_path, "rescue", run_id, initial_peers, "--initial_state", str(last_checkpoint))
+    newcomer = None
+    try:
+        wait_for(lambda: "serving the state of" in rescue.output(), 120, "the rescue aux peer")
+        newcomer = trainer(tmp_path, "newcomer", run_id, initial_peers, "--max_steps", str(last_step_saved + 2))
+        assert newcomer.wait(300) == 0, newcomer.output()[-3000:]
+    finally:
+        for process in [p for p in (newcomer, rescue, first_peer) if p]:
+            process.stop()
+    assert f"joined at global step {last_step_saved}" in newcomer.output()
+    steps = [record["step"] for record in read_train_log(tmp_path / "newcomer")]
+    assert steps == [last_step_saved + 1, last_step_saved + 2], f"resumed at the served step {last_step_saved}"

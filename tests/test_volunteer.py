@@ -1,0 +1,125 @@
+"""The volunteer's path: hardware auto-configuration, the preflight checklist, and the notebook run for real."""
+
+import subprocess
+import sys
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from sahajbert.devices import DeviceInfo, HardwareConfig, auto_configure
+from sahajbert.localswarm import peer_env, start_first_peer
+
+from .swarm_helpers import LOCAL, ROOT, TINY_TRAINING
+
+
+@pytest.mark.parametrize(
+    "device, expected",
+    [
+        (DeviceInfo("cuda", "Tesla T4", (7, 5), 14.7), HardwareConfig("cuda", "fp16", 8, True, True)),
+        (DeviceInfo("cuda", "Tesla P100-PCIE-16GB", (6, 0), 15.9), HardwareConfig("cuda", "fp32", 4, True, True)),
+        (DeviceInfo("cuda", "NVIDIA A100-SXM4-40GB", (8, 0), 39.4), HardwareConfig("cuda", "fp16", 16, False, True)),
+        (DeviceInfo("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 79.1), HardwareConfig("cuda", "fp16", 32, False, True)),
+        (DeviceInfo("tpu", "TPU v3-8", None, 128.0), HardwareConfig("tpu", "fp32", 8, False, True)),
+        (DeviceInfo("cpu", "cpu"), HardwareConfig("cpu", "fp32", 2, False, True)),
+    ],
+)
+def test_auto_configuration(device, expected):
+    assert auto_configure(device) == expected
+
+
+def test_reachable_machines_are_not_put_in_client_mode():
+    config = auto_configure(DeviceInfo("cuda", "A100", (8, 0), 80.0), reachable=True)
+    assert not config.client_mode and "--client_mode" not in config.as_flags()
+    assert "--gradient_checkpointing" in auto_configure(DeviceInfo("cuda", "T4", (7, 5), 15.0)).as_flags()
+
+
+def run_trainer(*args, timeout=180):
+    return subprocess.run(
+        [sys.executable, str(ROOT / "run_trainer.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=peer_env(),
+        cwd=ROOT,
+    )
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    first_peer, initial_peers = start_first_peer(tmp_path_factory.mktemp("fp"), "volunteers")
+    yield initial_peers
+    first_peer.stop()
+
+
+@pytest.mark.slow
+def test_check_passes_against_a_running_first_peer(swarm, tmp_path):
+    result = run_trainer(
+        "--check",
+        "--run_id",
+        "volunteers",
+        "--initial_peers",
+        *swarm,
+        *LOCAL,
+        "--model",
+        "tiny",
+        "--output_dir",
+        str(tmp_path),
+        "--auto_config",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+    out = result.stdout
+    assert "auto config for cpu: --device cpu --precision fp32 --per_device_train_batch_size 2 --client_mode" in out
+    for item in (
+        "versions",
+        "open-files limit",
+        "disk space",
+        "p2pd starts",
+        "initial peers answer",
+        "reachable from outside",
+    ):
+        assert f"[ ok ] {item}" in out, out
+    assert "6/6 checks passed" in out
+
+
+@pytest.mark.slow
+def test_check_names_the_failing_item_and_its_fix(tmp_path):
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWGWn1HNMv3LKnLgpbWQTqVjibrBXd37rwaD1WNqbMmSAQ"
+    result = run_trainer(
+        "--check",
+        "--initial_peers",
+        dead,
+        *LOCAL,
+        "--join_timeout",
+        "10",
+        "--model",
+        "tiny",
+        "--output_dir",
+        str(tmp_path),
+    )
+    assert result.returncode == 1
+    assert "[FAIL] initial peers answer" in result.stdout and "fix: check that the first peer runs" in result.stdout
+    assert "[ ok ] p2pd starts" in result.stdout and "Traceback" not in result.stderr
+    on_loopback = run_trainer("--check", "--initial_peers", "1.2.3.4:1337", "--model", "tiny")
+    assert on_loopback.returncode == 1 and "[FAIL] initial peers: --initial_peers must be a libp2p multiaddr" in (
+        on_loopback.stdout
+    )
+
+
+@pytest.mark.slow
+def test_notebook_joins_a_local_swarm_and_trains(swarm, tmp_path):
+    notebook = nbformat.read(ROOT / "notebooks" / "contributor.ipynb", as_version=4)
+    (parameters,) = [cell for cell in notebook.cells if "parameters" in cell.metadata.get("tags", [])]
+    extra = [arg for arg in TINY_TRAINING if arg not in LOCAL] + ["--target_batch_size", "64"] + LOCAL
+    parameters.source += (
+        f"\nRUN_ID = 'volunteers'\nINITIAL_PEERS = {swarm!r}\nINSTALL = False\nSTORE = {str(tmp_path)!r}\n"
+        f"EXTRA_ARGS = {extra!r}\nMAX_STEPS = 2\n"
+    )
+    NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
+    outputs = "\n".join(
+        output.get("text", "") for cell in notebook.cells for output in cell.get("outputs", []) if "text" in output
+    )
+    assert "cpu: --device cpu --precision fp32" in outputs
+    assert "global step 2 |" in outputs and "this peer contributed" in outputs, outputs[-3000:]
+    assert (tmp_path / "identity.key").exists(), "the identity must persist where the notebook keeps files"
+    assert (tmp_path / "checkpoints" / "checkpoint-2").is_dir()

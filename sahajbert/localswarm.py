@@ -29,16 +29,21 @@ def peer_env() -> dict:
 class PeerProcess:
     """One of this repository's scripts running as its own process, output captured to `log_path`."""
 
-    def __init__(self, script: str, args: list[str], log_path: Path, python: str = sys.executable):
+    def __init__(
+        self, script: str, args: list[str], log_path: Path, python: str = sys.executable, wrapper: list[str] = ()
+    ):
+        """`wrapper` prefixes the command, e.g. ["ip", "netns", "exec", "ns1"] to run the peer in a namespace."""
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "w")
+        # its own session: the peer and everything it starts (hivemind's processes, p2pd) form one process group
         self.process = subprocess.Popen(
-            [python, str(REPO_ROOT / script), *args],
+            [*wrapper, python, str(REPO_ROOT / script), *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=peer_env(),
             cwd=REPO_ROOT,
+            start_new_session=True,
         )
 
     def output(self) -> str:
@@ -61,18 +66,26 @@ class PeerProcess:
         except psutil.NoSuchProcess:
             return []
 
+    def kill(self) -> None:
+        """SIGKILL the whole peer at once, as a crash or a closed laptop would (its process group included)."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait(10)
+
     def stop(self, timeout: float = 30.0) -> None:
-        """SIGINT (a clean stop), then SIGKILL for the process and its children if it does not exit in time."""
+        """SIGINT (a clean stop), then SIGKILL for the whole process group if it does not exit in time."""
         if self.running():
-            children = self.descendants()
             self.process.send_signal(signal.SIGINT)
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
-                for child in children:
-                    child.kill()
-                self.process.kill()
-                self.process.wait(10)
+                self.kill()
+        try:  # whatever a crashed peer left in its group (p2pd, averagers)
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         self._log.close()
 
 

@@ -180,7 +180,13 @@ def _catch_up_with_swarm(optimizer: hivemind.Optimizer, dht, run_id: str, timeou
     if optimizer.local_epoch < swarm_step:
         logger.info(f"the swarm is at step {swarm_step}: downloading its state from peers")
         optimizer.load_state_from_peers()
-        logger.info(f"joined at global step {optimizer.local_epoch}")
+        if optimizer.local_epoch < swarm_step - 1:
+            logger.warning(
+                f"no peer could share the swarm's state (client-mode peers cannot serve it): training from "
+                f"step {optimizer.local_epoch} and retrying at every step until one can"
+            )
+        else:
+            logger.info(f"joined at global step {optimizer.local_epoch}")
 
 
 def _training_loop(
@@ -207,17 +213,18 @@ def _training_loop(
     good_state.save()
 
     result = TrainResult(final_step=optimizer.local_epoch)
-    loss_sum, mini_steps, samples_this_step, skipped, contributed = 0.0, 0, 0, 0, 0
+    loss_sum, mini_steps, samples_this_step, skipped, contributed, compute_seconds = 0.0, 0, 0, 0, 0, 0.0
     last_epoch, last_log = optimizer.local_epoch, time.monotonic()
     with open(output_dir / LOG_FILE, "a") as log_file:
         while not stop and not _reached(optimizer.local_epoch, training_args.max_steps):
-            pass_loss = 0.0
+            pass_loss, compute_start = 0.0, time.perf_counter()
             for _ in range(training_args.gradient_accumulation_steps):
                 batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
                 with autocast:
                     loss = model(**batch).loss / training_args.gradient_accumulation_steps
                 (scaler.scale(loss) if scaler is not None else loss).backward()
                 pass_loss += loss.item()
+            compute_seconds += time.perf_counter() - compute_start  # forward + backward only, for the step split
             # never send non-finite gradients to the swarm (with fp16, hivemind's GradScaler does this check)
             if scaler is None and not (
                 is_finite([torch.tensor(pass_loss)]) and is_finite(p.grad for p in model.parameters())
@@ -249,12 +256,13 @@ def _training_loop(
                     samples_this_step,
                     contributed,
                 )
+                record["compute_seconds"] = compute_seconds
                 result.steps.append(record)
                 log_file.write(json.dumps(record) + "\n")
                 log_file.flush()
                 if optimizer.local_epoch % training_args.save_steps == 0:
                     _save(model, tokenizer, optimizer, training_args, record)
-                loss_sum, mini_steps, samples_this_step = 0.0, 0, 0
+                loss_sum, mini_steps, samples_this_step, compute_seconds = 0.0, 0, 0, 0.0
                 last_epoch = optimizer.local_epoch
             if time.monotonic() - last_log >= training_args.log_every_seconds:
                 progress = optimizer.tracker.global_progress

@@ -4,16 +4,12 @@ Parsed with `transformers.HfArgumentParser`, so each script also accepts a singl
 """
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional
 
 import transformers
 
 from sahajbert.corpus import DEFAULT_SOURCES, HUB_SOURCES
-
-REPO_ROOT = Path(__file__).resolve().parent
-SAMPLE_TOKENIZER = REPO_ROOT / "tokenizer" / "sample"
-SAMPLE_FILES = [str(REPO_ROOT / "data" / "sample" / "bn_wiki.txt"), str(REPO_ROOT / "data" / "sample" / "bn_web.txt")]
+from sahajbert.samples import SAMPLE_FILES, SAMPLE_TOKENIZER  # noqa: F401 (re-exported for the scripts)
 
 
 @dataclass
@@ -164,6 +160,13 @@ class CollaborativeOptimizerArguments:
     use_local_updates: bool = field(
         default=False,
         metadata={"help": "Step locally every batch and only average parameters (no gradient averaging)."},
+    )
+    metadata_expiration: float = field(
+        default=60.0,
+        metadata={
+            "help": "Seconds a peer's progress report lives in the DHT. Peers extrapolate a silent peer's "
+            "samples until it expires, so with frequent churn a shorter value avoids early global steps."
+        },
     )
 
     def __post_init__(self):

@@ -2,7 +2,6 @@
 """Bootstrap a swarm: a DHT node that prints the --initial_peers line volunteers paste, until Ctrl+C."""
 
 import logging
-import threading
 
 from arguments import SwarmArguments
 from sahajbert.cli import parse_args, run, setup_logging
@@ -24,8 +23,8 @@ def main(argv=None) -> int:
         logger.info(f"run '{swarm_args.run_id}' is open. Volunteers join with:")
         print(f"python run_trainer.py --run_id {swarm_args.run_id} {line}", flush=True)
         with StopRequest() as stop:
-            while not stop.event.wait(timeout=3600):
-                threading.Event().wait(0)  # nothing to do: the DHT serves peers in its own process
+            while not stop.event.wait(timeout=1.0):  # the DHT serves peers in its own process; we only wait
+                pass
     finally:
         dht.shutdown()
     logger.info("first peer stopped")

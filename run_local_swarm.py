@@ -6,51 +6,21 @@ import shutil
 import time
 from pathlib import Path
 
-from arguments import SAMPLE_FILES, SAMPLE_TOKENIZER, LocalSwarmArguments
+from arguments import LocalSwarmArguments
 from sahajbert.cli import parse_args, run, setup_logging
 
 logger = logging.getLogger("local_swarm")
 
 
 def trainer_args(args: LocalSwarmArguments, initial_peers: list[str], index: int) -> list[str]:
-    return [
-        "--run_id",
-        args.run_id,
-        "--initial_peers",
-        *initial_peers,
-        "--host_maddrs",
-        "/ip4/127.0.0.1/tcp/0",
-        "--model",
-        "tiny",
-        "--tokenizer_path",
-        str(SAMPLE_TOKENIZER),
-        "--data_files",
-        *SAMPLE_FILES,
-        "--max_seq_length",
-        "64",
-        "--per_device_train_batch_size",
-        "8",
-        "--target_batch_size",
-        str(args.target_batch_size),
-        "--max_steps",
-        str(args.max_steps),
-        "--learning_rate",
-        "0.02",
-        "--warmup_steps",
-        "1",
-        "--total_steps",
-        "200",
-        "--matchmaking_time",
-        "3",
-        "--averaging_timeout",
-        "30",
-        "--save_steps",
-        str(args.max_steps),
-        "--log_every_seconds",
-        "5",
-        "--output_dir",
-        str(Path(args.output_dir) / f"trainer{index}"),
-    ]
+    from sahajbert.localswarm import tiny_trainer_flags
+
+    return ["--run_id", args.run_id, "--initial_peers", *initial_peers] + tiny_trainer_flags(
+        target_batch_size=args.target_batch_size,
+        max_steps=args.max_steps,
+        save_steps=args.max_steps,
+        output_dir=Path(args.output_dir) / f"trainer{index}",
+    )
 
 
 def main(argv=None) -> int:

@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 from arguments import SAMPLE_FILES, SAMPLE_TOKENIZER  # noqa: E402
 from sahajbert.collators import PretrainingCollator  # noqa: E402
-from sahajbert.localswarm import PeerProcess, read_train_log, start_first_peer  # noqa: E402
+from sahajbert.localswarm import PeerProcess, read_train_log, start_first_peer, tiny_trainer_flags  # noqa: E402
 from sahajbert.model import build_model  # noqa: E402
 from sahajbert.optim import Lamb, parameter_groups  # noqa: E402
 from sahajbert.stream import Prefetcher, batched, iterate_examples  # noqa: E402
@@ -59,39 +59,19 @@ def swarm(args, workdir: Path, peers: int) -> tuple[float, float]:
     trainers = []
     try:
         for i in range(peers):
+            flags = tiny_trainer_flags(
+                model=args.model,
+                max_seq_length=args.max_seq_length,
+                per_device_train_batch_size=args.batch_size,
+                target_batch_size=args.target_batch_size,
+                max_steps=args.steps,
+                save_steps=100_000,
+                output_dir=workdir / run_id / f"trainer{i}",
+            )
             trainers.append(
                 PeerProcess(
                     "run_trainer.py",
-                    [
-                        "--run_id",
-                        run_id,
-                        "--initial_peers",
-                        *initial_peers,
-                        "--host_maddrs",
-                        "/ip4/127.0.0.1/tcp/0",
-                        "--model",
-                        args.model,
-                        "--tokenizer_path",
-                        str(SAMPLE_TOKENIZER),
-                        "--data_files",
-                        *SAMPLE_FILES,
-                        "--max_seq_length",
-                        str(args.max_seq_length),
-                        "--per_device_train_batch_size",
-                        str(args.batch_size),
-                        "--target_batch_size",
-                        str(args.target_batch_size),
-                        "--max_steps",
-                        str(args.steps),
-                        "--matchmaking_time",
-                        "3",
-                        "--save_steps",
-                        "100000",
-                        "--shuffle_buffer",
-                        "200",
-                        "--output_dir",
-                        str(workdir / run_id / f"trainer{i}"),
-                    ],
+                    ["--run_id", run_id, "--initial_peers", *initial_peers, *flags],
                     workdir / run_id / f"trainer{i}.log",
                 )
             )

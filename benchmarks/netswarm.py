@@ -24,8 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from arguments import SAMPLE_FILES, SAMPLE_TOKENIZER  # noqa: E402
-from sahajbert.localswarm import PeerProcess, read_train_log, wait_for  # noqa: E402
+from sahajbert.localswarm import PeerProcess, read_train_log, tiny_trainer_flags, wait_for  # noqa: E402
 
 SUBNET = "10.77.{}.{}"  # private addresses that exist only inside this benchmark's namespaces
 
@@ -109,47 +108,18 @@ class Network:
 
     def _shape(self, ns: str, device: str, mbit: float, delay_ms: float) -> None:
         if self.latency:
-            sh(
-                "ip",
-                "netns",
-                "exec",
-                ns,
-                "tc",
-                "qdisc",
-                "add",
-                "dev",
-                device,
-                "root",
-                "netem",
-                "delay",
-                f"{delay_ms}ms",
-                "rate",
-                f"{mbit}mbit",
-                "limit",
-                "10000",
-            )
-        else:
-            # burst: 10 ms worth of bytes (at least 32 KiB); latency 200 ms bounds the queue
-            burst = max(32 * 1024, int(mbit * 1e6 / 8 * 0.01))
-            sh(
-                "ip",
-                "netns",
-                "exec",
-                ns,
-                "tc",
-                "qdisc",
-                "add",
-                "dev",
-                device,
-                "root",
+            qdisc = ["netem", "delay", f"{delay_ms}ms", "rate", f"{mbit}mbit", "limit", "10000"]
+        else:  # burst: 10 ms worth of bytes (at least 32 KiB); a 200 ms queue at most
+            qdisc = [
                 "tbf",
                 "rate",
                 f"{mbit}mbit",
                 "burst",
-                str(burst),
+                str(max(32 * 1024, int(mbit * 1e6 / 8 * 0.01))),
                 "latency",
                 "200ms",
-            )
+            ]
+        sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", device, "root", *qdisc)
 
     def tx_bytes(self, ns: str) -> int:
         return int(sh("ip", "netns", "exec", ns, "cat", "/sys/class/net/eth0/statistics/tx_bytes").stdout)
@@ -160,48 +130,16 @@ class Network:
 
 
 def trainer_args(args, run_id: str, initial_peers: list[str], ip: str, output_dir: Path, client: bool) -> list[str]:
-    flags = [
-        "--run_id",
-        run_id,
-        "--initial_peers",
-        *initial_peers,
-        "--host_maddrs",
-        f"/ip4/{ip}/tcp/0",
-        "--model",
-        args.model,
-        "--tokenizer_path",
-        str(SAMPLE_TOKENIZER),
-        "--data_files",
-        *SAMPLE_FILES,
-        "--max_seq_length",
-        "64",
-        "--per_device_train_batch_size",
-        "8",
-        "--target_batch_size",
-        str(args.target_batch_size),
-        "--max_steps",
-        str(args.max_steps),
-        "--compression",
-        args.compression,
-        "--learning_rate",
-        "0.02",
-        "--warmup_steps",
-        "1",
-        "--total_steps",
-        "200",
-        "--matchmaking_time",
-        "3",
-        "--averaging_timeout",
-        "30",
-        "--save_steps",
-        str(args.max_steps),
-        "--log_every_seconds",
-        "5",
-        "--shuffle_buffer",
-        "200",
-        "--output_dir",
-        str(output_dir),
-    ]
+    flags = ["--run_id", run_id, "--initial_peers", *initial_peers] + tiny_trainer_flags(
+        host=ip,
+        model=args.model,
+        target_batch_size=args.target_batch_size,
+        max_steps=args.max_steps,
+        compression=args.compression,
+        save_steps=args.max_steps,
+        output_dir=output_dir,
+        metadata_expiration=args.metadata_expiration,
+    )
     return flags + (["--client_mode"] if client else [])
 
 
@@ -243,19 +181,23 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
             processes.append(
                 PeerProcess("run_aux_peer.py", aux_flags, workdir / "aux.log", wrapper=["ip", "netns", "exec", ns])
             )
-        for i in range(args.trainers):
-            index = 2 + i
-            hosts[index] = net.add_host(index)
+
+        def start_trainer(index: int, client: bool) -> str:
             name = f"trainer{len(trainers)}"
-            # one firewalled volunteer (client mode) once there are 3 trainers: with 2, churn could leave it alone,
-            # and a client-mode peer can neither host an all-reduce group nor serve the state to a newcomer
-            client = i == args.trainers - 1 and args.trainers >= 3
+            ns, ip = hosts[index]
             trainers[name] = PeerProcess(
                 "run_trainer.py",
-                trainer_args(args, run_id, initial_peers, hosts[index][1], workdir / name, client),
+                trainer_args(args, run_id, initial_peers, ip, workdir / name, client),
                 workdir / f"{name}.log",
-                wrapper=["ip", "netns", "exec", hosts[index][0]],
+                wrapper=["ip", "netns", "exec", ns],
             )
+            return name
+
+        for i in range(args.trainers):
+            hosts[2 + i] = net.add_host(2 + i)
+            # one firewalled volunteer (client mode) once there are 3 trainers: with 2, churn could leave it alone,
+            # and a client-mode peer can neither host an all-reduce group nor serve the state to a newcomer
+            start_trainer(2 + i, client=i == args.trainers - 1 and args.trainers >= 3)
         start_bytes = {ns: net.tx_bytes(ns) for ns, _ in hosts.values()}
         started, next_churn, churn_slot = time.time(), time.time() + args.churn_every, 0
         while any(p.running() for p in trainers.values()):
@@ -266,14 +208,7 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
                 victim = alive[churn_slot % len(alive)]
                 trainers[victim].kill()
                 kills.append(time.time())
-                index = 2 + list(trainers).index(victim) % args.trainers
-                name = f"trainer{len(trainers)}"
-                trainers[name] = PeerProcess(
-                    "run_trainer.py",
-                    trainer_args(args, run_id, initial_peers, hosts[index][1], workdir / name, False),
-                    workdir / f"{name}.log",
-                    wrapper=["ip", "netns", "exec", hosts[index][0]],
-                )
+                name = start_trainer(2 + list(trainers).index(victim) % args.trainers, client=False)
                 churn_slot += 1
                 next_churn = time.time() + args.churn_every
                 print(f"churn: killed {victim}, started {name} in its namespace", flush=True)
@@ -380,6 +315,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max_steps", type=int, default=12, help="global steps the run trains for")
     parser.add_argument("--target_batch_size", type=int, default=384, help="samples per global step")
     parser.add_argument("--model", default="tiny", help="model preset")
+    parser.add_argument(
+        "--metadata_expiration", type=float, default=15.0, help="seconds a progress report lives; short under churn"
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before the scenario is abandoned")
     parser.add_argument("--quick", action="store_true", help="the smallest scenario: 2 trainers, one churn event")
     parser.add_argument("--output_json", default=None, help="also write the results to this JSON file")

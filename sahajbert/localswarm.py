@@ -10,8 +10,38 @@ from pathlib import Path
 
 import psutil
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from sahajbert.samples import REPO_ROOT, SAMPLE_FILES, SAMPLE_TOKENIZER
+
 LOOPBACK = ["--host_maddrs", "/ip4/127.0.0.1/tcp/0"]
+
+
+def tiny_trainer_flags(host: str = "127.0.0.1", **overrides) -> list[str]:
+    """Trainer flags for the tiny ALBERT on the bundled sample, for demos, benchmarks and tests on CPUs.
+
+    It learns visibly within a few global steps. A global step (384 samples) takes a few seconds on 2 cores, longer
+    than hivemind's progress refresh, so peers see each other as they would on real hardware. `overrides` replace
+    flags by name (max_steps=5 -> --max_steps 5).
+    """
+    flags = {
+        "model": "tiny",
+        "tokenizer_path": str(SAMPLE_TOKENIZER),
+        "max_seq_length": 64,
+        "per_device_train_batch_size": 8,
+        "target_batch_size": 384,
+        "learning_rate": 0.02,
+        "warmup_steps": 1,
+        "total_steps": 200,
+        "matchmaking_time": 3,
+        "averaging_timeout": 30,
+        "log_every_seconds": 5,
+        "shuffle_buffer": 200,
+        "host_maddrs": f"/ip4/{host}/tcp/0",
+        **overrides,
+    }
+    return [item for name, value in flags.items() for item in (f"--{name}", str(value))] + [
+        "--data_files",
+        *SAMPLE_FILES,
+    ]
 
 
 def peer_env() -> dict:

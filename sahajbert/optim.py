@@ -155,6 +155,7 @@ def build_collaborative_optimizer(
         state_averaging_compression=state_compression,
         load_state_compression=state_compression,
         averager_opts=averager_opts or None,
+        tracker_opts={"metadata_expiration": optimizer_args.metadata_expiration},
         verbose=True,
     )
 

@@ -12,7 +12,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # nothing in the tests may ne
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 
-SAMPLE_FILES = [str(ROOT / "data" / "sample" / "bn_wiki.txt"), str(ROOT / "data" / "sample" / "bn_web.txt")]
+from sahajbert.samples import SAMPLE_FILES  # noqa: E402 (after the path setup above)
 
 
 @pytest.fixture(scope="session")

@@ -2,20 +2,28 @@
 
 from pathlib import Path
 
-from sahajbert.localswarm import LOOPBACK, REPO_ROOT, read_train_log
+from sahajbert.localswarm import LOOPBACK, REPO_ROOT, PeerProcess, read_train_log, tiny_trainer_flags
 
 ROOT = REPO_ROOT
 LOCAL = LOOPBACK
-SAMPLE_FILES = [str(ROOT / "data" / "sample" / "bn_wiki.txt"), str(ROOT / "data" / "sample" / "bn_web.txt")]
-# A tiny ALBERT that learns visibly in a few global steps on 2 CPU cores. A global step (384 samples) takes a few
-# seconds, longer than hivemind's progress refresh, so peers see each other as they would on real hardware.
-TINY_TRAINING = (
-    "--model tiny --max_seq_length 64 --per_device_train_batch_size 8 --target_batch_size 384 --warmup_steps 1 "
-    "--total_steps 200 --learning_rate 0.02 --matchmaking_time 3 --averaging_timeout 20 --save_steps 1 "
-    "--log_every_seconds 2 --shuffle_buffer 200"
-).split() + ["--data_files", *SAMPLE_FILES, *LOCAL]
+# every test's trainers: the library's tiny settings, a checkpoint at every global step, frequent progress lines
+TINY_TRAINING = tiny_trainer_flags(averaging_timeout=20, save_steps=1, log_every_seconds=2)
 
 
 def last_step(output_dir: Path) -> int:
     records = read_train_log(output_dir)
     return records[-1]["step"] if records else 0
+
+
+def start_peer(script: str, tmp_path: Path, name: str, run_id: str, initial_peers: list[str], *extra) -> PeerProcess:
+    """run_trainer.py or run_aux_peer.py with the tests' tiny settings; its output_dir and log are named `name`."""
+    args = [
+        "--run_id",
+        run_id,
+        "--initial_peers",
+        *initial_peers,
+        *TINY_TRAINING,
+        "--output_dir",
+        str(tmp_path / name),
+    ]
+    return PeerProcess(script, [*args, *extra], tmp_path / f"{name}.log")

@@ -16,7 +16,7 @@ from sahajbert.localswarm import PeerProcess, read_train_log, start_first_peer, 
 from sahajbert.metrics import LocalMetrics, SwarmSummary
 from sahajbert.monitor import SwarmMonitor
 
-from .swarm_helpers import TINY_TRAINING
+from .swarm_helpers import start_peer
 from .wandb_reader import history
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -40,33 +40,11 @@ def test_monitor_counts_each_peers_samples_once_per_step():
 
 
 def aux(tmp_path, name, run_id, initial_peers, *extra) -> PeerProcess:
-    args = [
-        "--run_id",
-        run_id,
-        "--initial_peers",
-        *initial_peers,
-        *TINY_TRAINING,
-        "--output_dir",
-        str(tmp_path / name),
-        "--refresh_period",
-        "1",
-        *extra,
-    ]
-    return PeerProcess("run_aux_peer.py", args, tmp_path / f"{name}.log")
+    return start_peer("run_aux_peer.py", tmp_path, name, run_id, initial_peers, "--refresh_period", "1", *extra)
 
 
 def trainer(tmp_path, name, run_id, initial_peers, *extra) -> PeerProcess:
-    args = [
-        "--run_id",
-        run_id,
-        "--initial_peers",
-        *initial_peers,
-        *TINY_TRAINING,
-        "--output_dir",
-        str(tmp_path / name),
-        *extra,
-    ]
-    return PeerProcess("run_trainer.py", args, tmp_path / f"{name}.log")
+    return start_peer("run_trainer.py", tmp_path, name, run_id, initial_peers, *extra)
 
 
 def forge_metrics(initial_peers, run_id) -> tuple[bool, bool]:

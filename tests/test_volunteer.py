@@ -110,7 +110,7 @@ def test_check_names_the_failing_item_and_its_fix(tmp_path):
 def test_notebook_joins_a_local_swarm_and_trains(swarm, tmp_path):
     notebook = nbformat.read(ROOT / "notebooks" / "contributor.ipynb", as_version=4)
     (parameters,) = [cell for cell in notebook.cells if "parameters" in cell.metadata.get("tags", [])]
-    extra = [arg for arg in TINY_TRAINING if arg not in LOCAL] + ["--target_batch_size", "64"] + LOCAL
+    extra = [*TINY_TRAINING, "--target_batch_size", "64"]
     parameters.source += (
         f"\nRUN_ID = 'volunteers'\nINITIAL_PEERS = {swarm!r}\nINSTALL = False\nSTORE = {str(tmp_path)!r}\n"
         f"EXTRA_ARGS = {extra!r}\nMAX_STEPS = 2\n"

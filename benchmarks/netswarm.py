@@ -140,6 +140,8 @@ def trainer_args(args, run_id: str, initial_peers: list[str], ip: str, output_di
         output_dir=output_dir,
         metadata_expiration=args.metadata_expiration,
     )
+    if args.lockstep:  # no delayed updates: every peer waits for each all-reduce before its next step
+        flags += ["--delay_optimizer_step", "false", "--delay_grad_averaging", "false"]
     return flags + (["--client_mode"] if client else [])
 
 
@@ -266,6 +268,7 @@ def summarize(args, workdir: Path, trainers: dict, kills: list[float], sent_byte
         "ideal_bytes_per_peer_step": ideal_bytes_per_step(parameters, peers, args.compression),
         "failed_rounds": failed_rounds,
         "samples_lost_to_churn": lost,
+        "steps_after_last_churn": sum(times[s] > kills[-1] for s in steps) if kills else len(steps),
         "peers_at_the_end": len(finals),
         "max_parameter_difference": difference,
     }
@@ -290,6 +293,7 @@ def print_table(result: dict) -> None:
         ("ideal all-reduce bytes per peer per step", f"{result['ideal_bytes_per_peer_step']:,.0f}"),
         ("failed averaging rounds", f"{result['failed_rounds']}"),
         ("samples lost to churn", f"{result['samples_lost_to_churn']}"),
+        ("global steps after the last churn event", f"{result['steps_after_last_churn']}"),
         (
             f"max parameter difference between the {result['peers_at_the_end']} final peers",
             f"{result['max_parameter_difference']:.2e}",
@@ -321,6 +325,7 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before the scenario is abandoned")
     parser.add_argument("--quick", action="store_true", help="the smallest scenario: 2 trainers, one churn event")
     parser.add_argument("--output_json", default=None, help="also write the results to this JSON file")
+    parser.add_argument("--lockstep", action="store_true", help="trainers without delayed updates (DPU off)")
     parser.add_argument("--keep_logs", default=None, help="copy every peer's log and train log to this folder")
     args = parser.parse_args(argv)
     if args.quick:

@@ -2,6 +2,8 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# torch_xla 2.9 needs torch 2.9 exactly, so the TPU path has its own environment (about 7 GB; cached between runs)
+TPU_VENV := .venv-tpu
 # The CPU build of this torch release is what the tests run with; pip takes it from a local wheel where one is
 # provided (as on our CI machines) and from PyPI elsewhere. Override for a GPU machine: make demo TORCH=torch
 TORCH ?= torch==2.13.0
@@ -9,7 +11,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export HF_HUB_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 
-.PHONY: venv test lint demo bench clean
+.PHONY: venv venv-tpu test lint demo bench clean
 
 $(BIN)/.installed: requirements.txt requirements-dev.txt
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10) and "Python >= 3.10 is required")'
@@ -21,12 +23,21 @@ $(BIN)/.installed: requirements.txt requirements-dev.txt
 
 venv: $(BIN)/.installed
 
+$(TPU_VENV)/bin/.installed: requirements.txt requirements-tpu.txt
+	test -x $(TPU_VENV)/bin/python || $(PYTHON) -m venv $(TPU_VENV)
+	$(TPU_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TPU_VENV)/bin/python -m pip install -q -r requirements-tpu.txt
+	touch $@
+
+venv-tpu: $(TPU_VENV)/bin/.installed
+
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: lint
-	$(BIN)/python -m pytest -ra
+# the XLA tests (tests/test_xla.py) run the TPU path on four CPU XLA devices from $(TPU_VENV); here they must run
+test: lint venv-tpu
+	SAHAJBERT_REQUIRE_XLA=1 $(BIN)/python -m pytest -ra
 
 demo: venv
 	$(BIN)/python run_local_swarm.py
@@ -36,4 +47,4 @@ bench: venv
 	$(BIN)/python benchmarks/bench_swarm.py
 
 clean:
-	rm -rf $(VENV) outputs .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(TPU_VENV) outputs .pytest_cache .ruff_cache

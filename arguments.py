@@ -212,11 +212,18 @@ class TrainingArguments:
     precision: str = field(
         default="auto",
         metadata={
-            "help": "Compute precision; auto picks fp16 on CUDA >= 7.0, else fp32.",
+            "help": "Compute precision; auto picks fp16 on CUDA >= 7.0, else fp32 (TPU and CPU: bf16 is opt-in).",
             "choices": ["auto", "fp32", "fp16", "bf16"],
         },
     )
-    device: str = field(default="auto", metadata={"help": "Where to compute.", "choices": ["auto", "cpu", "cuda"]})
+    device: str = field(
+        default="auto",
+        metadata={
+            "help": "Where to compute; auto: a TPU host's cores (with torch_xla), else a CUDA GPU, else the CPU. "
+            "tpu drives every XLA device of the host as one peer (needs requirements-tpu.txt).",
+            "choices": ["auto", "cpu", "cuda", "tpu"],
+        },
+    )
     gradient_checkpointing: bool = field(
         default=False, metadata={"help": "Recompute activations in backward to save accelerator memory."}
     )

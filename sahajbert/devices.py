@@ -9,14 +9,19 @@ from sahajbert.cli import UserError
 
 @dataclass(frozen=True)
 class DeviceInfo:
-    kind: str  # "cpu" | "cuda"
+    kind: str  # "cpu" | "cuda" | "tpu" (any XLA host driven with SPMD: TPU cores, or XLA CPU devices in tests)
     name: str
     capability: tuple[int, int] | None = None  # CUDA compute capability
     memory_gib: float | None = None
+    cores: int = 1  # devices this one peer drives: the per-step batch is per-core batch x cores x accumulation
 
 
 def describe_device(requested: str = "auto") -> DeviceInfo:
-    """Detect the device to use: CUDA when present (or asked for), else the CPU."""
+    """Detect the device to use: a TPU host's cores, else CUDA when present (or asked for), else the CPU."""
+    from sahajbert import xla  # a light module: torch_xla itself is imported only when the TPU path is taken
+
+    if requested == "tpu" or (requested == "auto" and xla.on_tpu_host()):
+        return xla.describe()
     if requested == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda was asked for, but PyTorch sees no CUDA GPU; use --device cpu")
     if requested in ("auto", "cuda") and torch.cuda.is_available():
@@ -26,11 +31,19 @@ def describe_device(requested: str = "auto") -> DeviceInfo:
 
 
 def choose_precision(device: DeviceInfo, requested: str = "auto") -> str:
-    """fp16 on CUDA >= 7.0 (tensor cores), fp32 on older CUDA and on the CPU; bf16 only where it is fast."""
+    """The precision policy, for every kind of peer in one place.
+
+    CUDA >= 7.0 (tensor cores): fp16 with hivemind's loss scaler, bf16 on Ampere and newer when asked; older CUDA:
+    fp32. TPU: fp32 by default, as sahajBERT-XL's TPU peers had to (bf16 diverged there), bf16 opt-in. CPU: fp32,
+    bf16 opt-in. Whatever a peer computes in, it sends unscaled fp32 gradients to the swarm.
+    """
     if requested == "auto":
         return "fp16" if device.kind == "cuda" and device.capability >= (7, 0) else "fp32"
     if requested == "fp16" and device.kind != "cuda":
-        raise UserError(f"--precision fp16 needs a CUDA GPU, this peer computes on {device.name}; use fp32 or bf16")
+        raise UserError(
+            f"--precision fp16 needs a CUDA GPU (loss scaling), this peer computes on {device.name}; "
+            f"use --precision fp32 or bf16"
+        )
     if requested == "bf16" and device.kind == "cuda" and device.capability < (8, 0):
         raise UserError(
             f"--precision bf16 needs an Ampere or newer GPU (compute capability >= 8.0), "

@@ -106,8 +106,12 @@ def build_collaborative_optimizer(
     optimizer_args,
     training_args,
     auxiliary: bool = False,
+    batch_size_per_step: int | None = None,
 ) -> hivemind.Optimizer:
-    """hivemind.Optimizer over LAMB, scheduled by the GLOBAL step (hivemind steps the scheduler per epoch)."""
+    """hivemind.Optimizer over LAMB, scheduled by the GLOBAL step (hivemind steps the scheduler per epoch).
+
+    `batch_size_per_step`: samples one optimizer.step() reports (default: batch x accumulation on one device).
+    """
     optimizer = partial(
         Lamb,
         lr=training_args.learning_rate,
@@ -128,8 +132,7 @@ def build_collaborative_optimizer(
         averager_opts["bandwidth"] = averaging_args.bandwidth
     if averaging_args.target_group_size is not None:
         averager_opts["target_group_size"] = averaging_args.target_group_size
-    batch_size_per_step = None
-    if not auxiliary:
+    if not auxiliary and batch_size_per_step is None:
         batch_size_per_step = training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
     return hivemind.Optimizer(
         dht=dht,

@@ -107,8 +107,16 @@ def train(swarm_args, averaging_args, optimizer_args, model_args, training_args,
     tokenizer = load_tokenizer(corpus_args.tokenizer_path)
     device_info = describe_device(training_args.device)
     precision = choose_precision(device_info, training_args.precision)
-    device = PartialState(cpu=device_info.kind == "cpu").device
-    logger.info(f"computing on {device_info.name} in {precision}")
+    on_xla = device_info.kind == "tpu"
+    # the host keeps the model hivemind averages; an XLA host computes on a device copy of it (sahajbert.xla)
+    device = torch.device("cpu") if on_xla else PartialState(cpu=device_info.kind == "cpu").device
+    forward_batch = training_args.per_device_train_batch_size * device_info.cores
+    samples_per_pass = forward_batch * training_args.gradient_accumulation_steps
+    logger.info(
+        f"computing on {device_info.name} in {precision}; {samples_per_pass} samples per pass "
+        f"({training_args.per_device_train_batch_size} per core x {device_info.cores} core(s) x "
+        f"{training_args.gradient_accumulation_steps} accumulation)"
+    )
 
     output_dir = Path(training_args.output_dir)
     resume_from = checkpoints.latest_checkpoint(output_dir)
@@ -128,7 +136,7 @@ def train(swarm_args, averaging_args, optimizer_args, model_args, training_args,
     prefetcher = None
     try:
         optimizer = build_collaborative_optimizer(
-            model, dht, swarm_args, averaging_args, optimizer_args, training_args
+            model, dht, swarm_args, averaging_args, optimizer_args, training_args, batch_size_per_step=samples_per_pass
         )
         if resume_from is not None:
             state = checkpoints.load_optimizer_state(resume_from)
@@ -141,21 +149,28 @@ def train(swarm_args, averaging_args, optimizer_args, model_args, training_args,
             tokenizer,
             mlm_probability=corpus_args.mlm_probability,
             whole_word_masking=corpus_args.masking == "whole_word",
-            pad_to_multiple_of=corpus_args.pad_to_multiple_of,
+            # XLA compiles per shape: every batch is padded to the full length, so the step compiles once
+            pad_to_multiple_of=corpus_args.max_seq_length if on_xla else corpus_args.pad_to_multiple_of,
             seed=peer_seed(training_args.seed, public_key),
         )
         examples = iterate_examples(corpus_args, tokenizer, seed=peer_seed(training_args.seed, public_key))
-        prefetcher = Prefetcher(batched(examples, training_args.per_device_train_batch_size, collator))
+        prefetcher = Prefetcher(batched(examples, forward_batch, collator))
+        if on_xla:
+            from sahajbert.xla import SpmdReplica
+
+            compute = SpmdReplica(model, autocast_dtype(precision))
+        else:
+            compute = LocalCompute(model, device, precision)
         with StopRequest() as stop:
             result = _training_loop(
                 model,
                 optimizer,
+                compute,
                 prefetcher,
                 tokenizer,
                 dht,
                 public_key,
-                device,
-                precision,
+                samples_per_pass,
                 stop,
                 swarm_args,
                 optimizer_args,
@@ -189,15 +204,43 @@ def _catch_up_with_swarm(optimizer: hivemind.Optimizer, dht, run_id: str, timeou
             logger.info(f"joined at global step {optimizer.local_epoch}")
 
 
+class LocalCompute:
+    """The model computes where it lives (CPU or a CUDA GPU): its gradients are already where hivemind reads them.
+
+    The same three calls as sahajbert.xla.SpmdReplica, which computes on a device copy instead.
+    """
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, precision: str):
+        self.model = model
+        self.device = device
+        dtype = autocast_dtype(precision)
+        self.autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
+        # fp16 only: hivemind's scaler unscales before averaging and drops a step whose gradients overflowed
+        self.scaler = hivemind.GradScaler() if precision == "fp16" else None
+
+    def backward(self, batch: dict[str, torch.Tensor], scale: float) -> torch.Tensor:
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        with self.autocast:
+            loss = self.model(**batch).loss * scale
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        return loss.detach()
+
+    def finish_pass(self) -> None:
+        pass
+
+    def push_parameters(self) -> None:
+        pass  # hivemind updates these very parameters in place
+
+
 def _training_loop(
     model,
     optimizer,
+    compute,
     batches,
     tokenizer,
     dht,
     public_key,
-    device,
-    precision,
+    samples_per_pass,
     stop,
     swarm_args,
     optimizer_args,
@@ -205,25 +248,21 @@ def _training_loop(
 ) -> TrainResult:
     output_dir = Path(training_args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    scaler = hivemind.GradScaler() if precision == "fp16" else None
-    dtype = autocast_dtype(precision)
-    autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
-    samples_per_pass = training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
+    scaler = getattr(compute, "scaler", None)
     good_state = LastGoodState(optimizer)
     good_state.save()
 
     result = TrainResult(final_step=optimizer.local_epoch)
     loss_sum, mini_steps, samples_this_step, skipped, contributed, compute_seconds = 0.0, 0, 0, 0, 0, 0.0
     last_epoch, last_log = optimizer.local_epoch, time.monotonic()
+    passes, saved_after_pass = 0, None  # a checkpoint saved after the last pass is not written again at the end
     with open(output_dir / LOG_FILE, "a") as log_file:
         while not stop and not _reached(optimizer.local_epoch, training_args.max_steps):
-            pass_loss, compute_start = 0.0, time.perf_counter()
-            for _ in range(training_args.gradient_accumulation_steps):
-                batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
-                with autocast:
-                    loss = model(**batch).loss / training_args.gradient_accumulation_steps
-                (scaler.scale(loss) if scaler is not None else loss).backward()
-                pass_loss += loss.item()
+            compute_start = time.perf_counter()
+            scale = 1.0 / training_args.gradient_accumulation_steps
+            losses = [compute.backward(next(batches), scale) for _ in range(training_args.gradient_accumulation_steps)]
+            compute.finish_pass()  # XLA: run the traced pass and bring its gradients to the host model
+            pass_loss = sum(loss.item() for loss in losses)
             compute_seconds += time.perf_counter() - compute_start  # forward + backward only, for the step split
             # never send non-finite gradients to the swarm (with fp16, hivemind's GradScaler does this check)
             if scaler is None and not (
@@ -233,8 +272,13 @@ def _training_loop(
                 logger.warning(f"non-finite loss or gradients: this batch is dropped ({skipped} so far)")
                 optimizer.zero_grad(set_to_none=True)
                 continue
+            # hivemind changes the host parameters in a step that starts a new epoch, and (with delayed updates) in
+            # the first step after a background update was pending: only then does a device copy need them again
+            updates_pending = bool(optimizer.state_averager.pending_updates)
+            epoch_before = optimizer.local_epoch
             optimizer.step(batch_size=samples_per_pass, grad_scaler=scaler)
             optimizer.zero_grad(set_to_none=True)
+            passes += 1
             if scaler is not None:
                 scaler.update()
             loss_sum, mini_steps, samples_this_step = (
@@ -261,9 +305,12 @@ def _training_loop(
                 log_file.write(json.dumps(record) + "\n")
                 log_file.flush()
                 if optimizer.local_epoch % training_args.save_steps == 0:
-                    _save(model, tokenizer, optimizer, training_args, record)
+                    result.checkpoint = _save(model, tokenizer, optimizer, training_args, record)
+                    saved_after_pass = passes
                 loss_sum, mini_steps, samples_this_step, compute_seconds = 0.0, 0, 0, 0.0
                 last_epoch = optimizer.local_epoch
+            if updates_pending or optimizer.local_epoch != epoch_before:
+                compute.push_parameters()
             if time.monotonic() - last_log >= training_args.log_every_seconds:
                 progress = optimizer.tracker.global_progress
                 own_rate = optimizer.tracker.performance_ema.samples_per_second
@@ -275,8 +322,11 @@ def _training_loop(
                 last_log = time.monotonic()
 
     optimizer.state_averager.step(wait_for_delayed_updates=True)  # apply a step still running in the background
+    compute.push_parameters()  # an XLA device copy ends with the final parameters too (a no-op elsewhere)
+    if not isinstance(compute, LocalCompute):
+        logger.info(f"device copy vs host parameters: max difference {compute.max_difference():.3g}")
     result.final_step = optimizer.local_epoch
-    if result.steps and result.steps[-1]["step"] == optimizer.local_epoch:
+    if result.steps and result.steps[-1]["step"] == optimizer.local_epoch and saved_after_pass != passes:
         result.checkpoint = _save(model, tokenizer, optimizer, training_args, result.steps[-1])
     logger.info(f"stopped at global step {optimizer.local_epoch}" + (" (stop requested)" if stop else ""))
     return result

@@ -1,5 +1,6 @@
 """Settings shared by the integration tests; the process handling itself is the library's (sahajbert.localswarm)."""
 
+import sys
 from pathlib import Path
 
 from sahajbert.localswarm import LOOPBACK, REPO_ROOT, PeerProcess, read_train_log, tiny_trainer_flags
@@ -15,8 +16,22 @@ def last_step(output_dir: Path) -> int:
     return records[-1]["step"] if records else 0
 
 
-def start_peer(script: str, tmp_path: Path, name: str, run_id: str, initial_peers: list[str], *extra) -> PeerProcess:
-    """run_trainer.py or run_aux_peer.py with the tests' tiny settings; its output_dir and log are named `name`."""
+def swarm_loss(logs: list[list[dict]], steps) -> float:
+    """The swarm's mean loss per mini-step over some global steps, from every peer's records.
+
+    Per swarm, not per peer: a peer that downloads the state (joins late, or catches up) skips steps in its own log.
+    """
+    records = [r for log in logs for r in log if r["step"] in set(steps)]
+    return sum(r["loss"] * r["mini_steps"] for r in records) / sum(r["mini_steps"] for r in records)
+
+
+def start_peer(
+    script: str, tmp_path: Path, name: str, run_id: str, initial_peers: list[str], *extra, python: str = sys.executable
+) -> PeerProcess:
+    """run_trainer.py or run_aux_peer.py with the tests' tiny settings; its output_dir and log are named `name`.
+
+    `extra` flags come last and win; `python` is the interpreter (the TPU virtualenv's for an XLA peer).
+    """
     args = [
         "--run_id",
         run_id,
@@ -26,4 +41,4 @@ def start_peer(script: str, tmp_path: Path, name: str, run_id: str, initial_peer
         "--output_dir",
         str(tmp_path / name),
     ]
-    return PeerProcess(script, [*args, *extra], tmp_path / f"{name}.log")
+    return PeerProcess(script, [*args, *extra], tmp_path / f"{name}.log", python=python)

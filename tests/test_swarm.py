@@ -13,7 +13,7 @@ from sahajbert.checkpoints import latest_checkpoint
 from sahajbert.localswarm import PeerProcess, peer_env, start_first_peer, wait_for
 from sahajbert.localswarm import read_train_log as train_log
 
-from .swarm_helpers import LOCAL, ROOT, last_step, start_peer
+from .swarm_helpers import LOCAL, ROOT, last_step, start_peer, swarm_loss
 
 pytestmark = pytest.mark.slow
 
@@ -28,15 +28,6 @@ def first_peer(tmp_path, request):
 
 def trainer(tmp_path, name, run_id, initial_peers, *extra) -> PeerProcess:
     return start_peer("run_trainer.py", tmp_path, name, run_id, initial_peers, *extra)
-
-
-def swarm_loss(logs: list[list[dict]], steps) -> float:
-    """The swarm's mean loss per mini-step over some global steps, from every peer's records.
-
-    Per swarm, not per peer: a peer that downloads the state (joins late, or catches up) skips steps in its own log.
-    """
-    records = [r for log in logs for r in log if r["step"] in set(steps)]
-    return sum(r["loss"] * r["mini_steps"] for r in records) / sum(r["mini_steps"] for r in records)
 
 
 def weights(checkpoint) -> dict[str, torch.Tensor]:
@@ -178,6 +169,8 @@ def test_sigterm_stops_cleanly_without_orphans(tmp_path, first_peer):
         (["--tokenizer_path", "/nonexistent/tokenizer"], "tokenizer"),
         (["--model", "albert-huge"], "unknown model 'albert-huge'"),
         (["--per_device_train_batch_size", "0"], "per_device_train_batch_size must be at least 1"),
+        (["--device", "tpu"], "pip install -r requirements-tpu.txt"),
+        (["--device", "cpu", "--precision", "fp16"], "needs a CUDA GPU"),
     ],
 )
 def test_bad_input_is_one_clear_line(tmp_path, args, message):

@@ -186,6 +186,9 @@ def test_checkpoints_are_atomic_and_pruned(tmp_path, tokenizer):
         (DeviceInfo("cuda", "Tesla P100", (6, 0), 16.0), "auto", "fp32"),
         (DeviceInfo("cuda", "A100", (8, 0), 40.0), "bf16", "bf16"),
         (DeviceInfo("cuda", "H100", (9, 0), 80.0), "auto", "fp16"),
+        (DeviceInfo("cuda", "A100", (8, 0), 40.0), "auto", "fp16"),
+        (DeviceInfo("tpu", "TPU v3-8", cores=8), "auto", "fp32"),
+        (DeviceInfo("tpu", "TPU v3-8", cores=8), "bf16", "bf16"),
         (DeviceInfo("cpu", "cpu"), "auto", "fp32"),
         (DeviceInfo("cpu", "cpu"), "bf16", "bf16"),
     ],
@@ -199,6 +202,8 @@ def test_precision_policy(device, requested, expected):
     [
         (DeviceInfo("cpu", "cpu"), "fp16", "needs a CUDA GPU"),
         (DeviceInfo("cuda", "Tesla T4", (7, 5), 15.0), "bf16", "Ampere or newer"),
+        (DeviceInfo("cuda", "Tesla V100", (7, 0), 16.0), "bf16", "Ampere or newer"),
+        (DeviceInfo("tpu", "TPU v3-8", cores=8), "fp16", "needs a CUDA GPU"),
     ],
 )
 def test_precision_policy_rejects_what_the_device_cannot_do(device, requested, message):

@@ -1,0 +1,122 @@
+"""The TPU path on CPU XLA devices: torch_xla 2.9 in its own virtualenv (.venv-tpu, built by `make test`).
+
+PJRT_DEVICE=CPU with CPU_NUM_DEVICES=4 gives four XLA devices that SPMD shards a batch over, as over a TPU's cores.
+`make test` sets SAHAJBERT_REQUIRE_XLA=1, so there a missing TPU virtualenv fails these tests instead of skipping.
+"""
+
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+from transformers import AlbertForPreTraining
+
+from sahajbert.checkpoints import latest_checkpoint
+from sahajbert.localswarm import peer_env, read_train_log, start_first_peer, wait_for
+
+from .swarm_helpers import ROOT, start_peer, swarm_loss
+
+TPU_PYTHON = ROOT / ".venv-tpu" / "bin" / "python"
+XLA_ENV = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
+LOCKSTEP = ["--delay_optimizer_step", "false", "--delay_grad_averaging", "false"]
+
+
+@pytest.fixture(scope="module")
+def tpu_python():
+    if not TPU_PYTHON.exists():
+        reason = f"{TPU_PYTHON} is missing: `make venv-tpu` builds it from requirements-tpu.txt"
+        if os.environ.get("SAHAJBERT_REQUIRE_XLA"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return str(TPU_PYTHON)
+
+
+@pytest.fixture
+def xla_env(monkeypatch):
+    for name, value in XLA_ENV.items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.fixture(scope="module")
+def spmd_report(tpu_python):
+    result = subprocess.run(
+        [tpu_python, str(ROOT / "tests" / "xla_checks.py")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**peer_env(), **XLA_ENV},
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_spmd_pass_over_four_devices_matches_the_cpu(spmd_report):
+    report = spmd_report
+    assert report["cores"] == 4 and report["device"] == "XLA CPU x4"
+    assert report["input_sharding"] == "{devices=[4,1]0,1,2,3}", "the batch must be split over the 4 devices"
+    assert report["xla_loss"] == pytest.approx(report["cpu_loss"], abs=1e-5)
+    assert report["grad_rel_diff"] < 1e-5, report
+    assert report["host_grad_dtypes"] == ["torch.float32"]
+    assert report["recompilations"] == 0
+
+
+def test_parameters_pushed_after_a_host_update_match_the_host_copy(spmd_report):
+    report = spmd_report
+    assert report["diff_before_push"] > 0.01, "the host update must have changed the parameters"
+    assert report["diff_after_push"] == 0.0
+    assert report["xla_loss_after_push"] == pytest.approx(report["cpu_loss_after_push"], abs=1e-5)
+    assert report["grad_rel_diff_after_push"] < 1e-5, report
+
+
+def test_bf16_on_xla_sends_unscaled_fp32_gradients(spmd_report):
+    report = spmd_report
+    assert report["bf16_grad_dtypes"] == ["torch.float32"]
+    # the same pass in bf16: close to the fp32 gradients (relative to the largest entry), not equal to them
+    assert 0 < report["bf16_grad_rel_diff"] < 0.05, report
+    assert report["bf16_loss"] == pytest.approx(report["cpu_loss_after_push"], abs=0.02)
+
+
+@pytest.mark.slow
+def test_cpu_peer_and_xla_peer_train_one_model(tmp_path, tpu_python, xla_env):
+    """A plain CPU peer (main venv, fp32) and an XLA peer (TPU venv, 4 devices, bf16) make global steps together."""
+    run_id = "hetero"
+    first, initial_peers = start_first_peer(tmp_path / "first_peer", run_id)
+    steps = ["--max_steps", "4", *LOCKSTEP]
+    # 2 per core x 4 XLA devices = 8 per pass, the CPU peer's batch
+    xla = start_peer(
+        "run_trainer.py",
+        tmp_path,
+        "xla",
+        run_id,
+        initial_peers,
+        *["--per_device_train_batch_size", "2", "--device", "tpu", "--precision", "bf16", *steps],
+        python=tpu_python,
+    )
+    cpu = None
+    try:
+        # the CPU peer joins once the XLA peer has compiled its step, so that neither trains the first steps alone
+        wait_for(lambda: "XLA step compiled" in xla.output() or not xla.running(), 300, "the XLA peer's compilation")
+        assert xla.running(), xla.output()[-3000:]
+        cpu = start_peer("run_trainer.py", tmp_path, "cpu", run_id, initial_peers, "--device", "cpu", *steps)
+        for peer in (xla, cpu):
+            assert peer.wait(400) == 0, peer.output()[-3000:]
+    finally:
+        for peer in (xla, cpu, first):
+            if peer is not None:
+                peer.stop()
+
+    xla_log, cpu_log = read_train_log(tmp_path / "xla"), read_train_log(tmp_path / "cpu")
+    assert xla_log[-1]["step"] == cpu_log[-1]["step"] == 4
+    assert max(r["peers"] for r in cpu_log) == 2 and max(r["peers"] for r in xla_log) == 2
+    output = xla.output()
+    assert "computing on XLA CPU x4 in bf16; 8 samples per pass (2 per core x 4 core(s)" in output
+    assert "XLA recompiled" not in output, "fixed shapes: the step compiles once"
+    assert "device copy vs host parameters: max difference 0" in output
+    assert "computing on cpu in fp32" in cpu.output()
+
+    a, b = (AlbertForPreTraining.from_pretrained(latest_checkpoint(tmp_path / n)).state_dict() for n in ("xla", "cpu"))
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=2e-3, rtol=1e-2, msg=f"{name} differs between peers")
+    assert swarm_loss([xla_log, cpu_log], [4]) < swarm_loss([xla_log, cpu_log], [1]), (xla_log, cpu_log)

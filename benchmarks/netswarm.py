@@ -1,9 +1,11 @@
 #!/usr/bin/env python
 """The swarm over a small "internet" of Linux network namespaces, with shaped links and churn (run as root).
 
-One namespace per peer, each joined by a veth pair to a bridge in a hub namespace (nothing touches the host's own
-interfaces; traffic stays inside these namespaces). Each peer's upload is shaped on its side of the veth and its
-download on the hub side, with `tc` (tbf for bandwidth; netem for latency where the kernel has sch_netem). It runs
+One namespace per peer, each joined by a veth pair to a hub namespace (nothing touches the host's own interfaces;
+traffic stays inside these namespaces). Each peer's upload is shaped on its side of the veth and its download on the
+hub side with `tc`: netem for latency and bandwidth where the kernel has sch_netem; elsewhere tbf for bandwidth and,
+for latency, benchmarks/delayswitch.py, a userspace switch in the hub that holds each frame for the link latency
+(it needs ethtool, to switch the veths' offloads off). The round trip between peers is measured and printed. It runs
 a first peer, N trainers (the last in client mode, as a firewalled volunteer) and optionally an aux peer that
 assists averaging, kills one trainer and starts a new one every --churn_every seconds, and prints one table per run.
 Everything it created (namespaces, veths, processes) is removed on exit, on Ctrl+C and on failure.
@@ -24,9 +26,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from sahajbert.checkpoints import latest_checkpoint  # noqa: E402
 from sahajbert.localswarm import PeerProcess, read_train_log, tiny_trainer_flags, wait_for  # noqa: E402
 
 SUBNET = "10.77.{}.{}"  # private addresses that exist only inside this benchmark's namespaces
+AGREEMENT_ATOL, AGREEMENT_RTOL = 2e-3, 1e-2  # fp16-compressed averaging keeps peers this close
 
 
 @dataclass(frozen=True)
@@ -78,15 +82,21 @@ def netem_available() -> bool:
 
 
 class Network:
-    """A hub namespace with a bridge, and one namespace per host joined to it by a shaped veth pair."""
+    """A hub namespace and one namespace per host, joined to it by a shaped veth pair.
 
-    def __init__(self, tag: str, profile: LinkProfile, latency: bool):
-        self.tag, self.profile, self.latency = tag, profile, latency
+    `latency`: "netem" (the kernel delays frames; the hub is a bridge) or "switch" (the hub runs delayswitch.py).
+    """
+
+    def __init__(self, tag: str, profile: LinkProfile, latency: str, log_dir: Path):
+        self.tag, self.profile, self.latency, self.log_dir = tag, profile, latency, log_dir
         self.hub = f"sb{tag}hub"
         self.hosts: list[str] = []
+        self.ports: dict[str, float] = {}  # hub-side port -> its one-way latency in ms
+        self.switch: PeerProcess | None = None
         sh("ip", "netns", "add", self.hub)
-        sh("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
-        sh("ip", "-n", self.hub, "link", "set", "br0", "up")
+        if latency == "netem":
+            sh("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
+            sh("ip", "-n", self.hub, "link", "set", "br0", "up")
 
     def add_host(self, index: int, shaped: bool = True) -> tuple[str, str]:
         """Create host `index`; return (namespace, its IP address)."""
@@ -96,18 +106,53 @@ class Network:
         sh("ip", "link", "add", f"sb{self.tag}x{index}", "type", "veth", "peer", "name", f"sb{self.tag}y{index}")
         sh("ip", "link", "set", f"sb{self.tag}x{index}", "netns", ns, "name", "eth0")
         sh("ip", "link", "set", f"sb{self.tag}y{index}", "netns", self.hub, "name", f"v{index}")
-        sh("ip", "-n", self.hub, "link", "set", f"v{index}", "master", "br0", "up")
+        if self.latency == "netem":
+            sh("ip", "-n", self.hub, "link", "set", f"v{index}", "master", "br0")
+        else:  # the switch reads and writes plain frames: no segmentation super-frames, no unfinished checksums
+            for where, device in ((ns, "eth0"), (self.hub, f"v{index}")):
+                sh("ip", "netns", "exec", where, "ethtool", "-K", device, "tso", "off", "gso", "off", "tx", "off")
+        sh("ip", "-n", self.hub, "link", "set", f"v{index}", "up")
         sh("ip", "-n", ns, "addr", "add", f"{ip}/16", "dev", "eth0")
         sh("ip", "-n", ns, "link", "set", "eth0", "up")
         sh("ip", "-n", ns, "link", "set", "lo", "up")
+        delay = self.profile.one_way_ms[index % len(self.profile.one_way_ms)] if shaped else 0.0
+        self.ports[f"v{index}"] = delay
         if shaped:
-            delay = self.profile.one_way_ms[index % len(self.profile.one_way_ms)]
             self._shape(ns, "eth0", self.profile.up_mbit, delay)  # what this host sends: its upload
             self._shape(self.hub, f"v{index}", self.profile.down_mbit, delay)  # what it receives: its download
         return ns, ip
 
+    def start(self) -> None:
+        """With the userspace switch: start it on every port (all hosts exist by now)."""
+        if self.latency != "switch":
+            return
+        ports = [item for port, ms in self.ports.items() for item in ("--port", f"{port}:{ms}")]
+        self.switch = PeerProcess(
+            "benchmarks/delayswitch.py",
+            ports,
+            self.log_dir / "delayswitch.log",
+            wrapper=["ip", "netns", "exec", self.hub],
+        )
+        wait_for(lambda: "delay switch up" in self.switch.output() or not self.switch.running(), 30, "the switch")
+        if not self.switch.running():
+            raise RuntimeError(f"the delay switch failed:\n{self.switch.output()[-2000:]}")
+
+    def round_trip_ms(self, from_ns: str, to_ip: str, tries: int = 5) -> float:
+        """Median time of a TCP connect to a closed port (SYN out, RST back: one round trip), in ms."""
+        probe = (
+            "import socket, statistics, time\n"
+            "times = []\n"
+            f"for _ in range({tries + 1}):\n"
+            "    s = socket.socket(); start = time.perf_counter()\n"
+            f"    try: s.connect(('{to_ip}', 9))\n"
+            "    except OSError: pass\n"
+            "    times.append(time.perf_counter() - start); s.close()\n"
+            "print(statistics.median(times[1:]) * 1000)"  # the first try also resolves the MAC address (ARP)
+        )
+        return float(sh("ip", "netns", "exec", from_ns, sys.executable, "-c", probe).stdout)
+
     def _shape(self, ns: str, device: str, mbit: float, delay_ms: float) -> None:
-        if self.latency:
+        if self.latency == "netem":
             qdisc = ["netem", "delay", f"{delay_ms}ms", "rate", f"{mbit}mbit", "limit", "10000"]
         else:  # burst: 10 ms worth of bytes (at least 32 KiB); a 200 ms queue at most
             qdisc = [
@@ -125,6 +170,8 @@ class Network:
         return int(sh("ip", "netns", "exec", ns, "cat", "/sys/class/net/eth0/statistics/tx_bytes").stdout)
 
     def teardown(self) -> None:
+        if self.switch is not None:
+            self.switch.stop(timeout=5)
         for ns in [*self.hosts, self.hub]:  # deleting a namespace deletes its end of each veth pair
             sh("ip", "netns", "del", ns, check=False)
 
@@ -139,6 +186,8 @@ def trainer_args(args, run_id: str, initial_peers: list[str], ip: str, output_di
         save_steps=args.max_steps,
         output_dir=output_dir,
         metadata_expiration=args.metadata_expiration,
+        next_chunk_timeout=args.next_chunk_timeout,
+        averaging_timeout=args.averaging_timeout,
     )
     if args.lockstep:  # no delayed updates: every peer waits for each all-reduce before its next step
         flags += ["--delay_optimizer_step", "false", "--delay_grad_averaging", "false"]
@@ -154,14 +203,23 @@ def ideal_bytes_per_step(parameters: int, peers: float, compression: str) -> flo
 
 def run_scenario(args, workdir: Path, tag: str) -> dict:
     profile = PROFILES[args.profile]
-    latency = netem_available()
-    net = Network(tag, profile, latency)
+    latency = args.latency_by
+    net = Network(tag, profile, latency, workdir)
     run_id = f"net{tag}"
     processes: list[PeerProcess] = []
     trainers: dict[str, PeerProcess] = {}  # output dir name -> process
     kills: list[float] = []
     try:
-        ns, ip = net.add_host(0, shaped=False)  # the organizer's first peer: a well-connected server
+        first_host = net.add_host(0, shaped=False)  # the organizer's first peer: a well-connected server
+        aux_host = net.add_host(1) if args.aux else None
+        # a replacement after churn is another volunteer: its own namespace and address, made before the switch starts
+        joiners = args.churn_events if args.churn_every else 0
+        hosts = {2 + i: net.add_host(2 + i) for i in range(args.trainers + joiners)}
+        net.start()
+        # measured, not assumed: the round trip between the first two trainers' namespaces
+        rtt_ms = net.round_trip_ms(hosts[2][0], hosts[3][1]) if len(hosts) > 1 else 0.0
+        print(f"round trip between trainer hosts: {rtt_ms:.1f} ms", flush=True)
+        ns, ip = first_host
         first = PeerProcess(
             "run_first_peer.py",
             ["--run_id", run_id, "--host_maddrs", f"/ip4/{ip}/tcp/31337"],
@@ -175,9 +233,8 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
             "the first peer",
         )
         initial_peers = [m for m in line.split("--initial_peers ", 1)[1].split() if ip in m]
-        hosts = {}
         if args.aux:
-            ns, ip = net.add_host(1)
+            ns, ip = aux_host
             aux_flags = trainer_args(args, run_id, initial_peers, ip, workdir / "aux", False)
             aux_flags += ["--assist_in_averaging", "--refresh_period", "2", "--checkpoint_every", "1000"]
             processes.append(
@@ -196,7 +253,6 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
             return name
 
         for i in range(args.trainers):
-            hosts[2 + i] = net.add_host(2 + i)
             # one firewalled volunteer (client mode) once there are 3 trainers: with 2, churn could leave it alone,
             # and a client-mode peer can neither host an all-reduce group nor serve the state to a newcomer
             start_trainer(2 + i, client=i == args.trainers - 1 and args.trainers >= 3)
@@ -210,10 +266,10 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
                 victim = alive[churn_slot % len(alive)]
                 trainers[victim].kill()
                 kills.append(time.time())
-                name = start_trainer(2 + list(trainers).index(victim) % args.trainers, client=False)
+                name = start_trainer(2 + args.trainers + len(kills) - 1, client=False)
                 churn_slot += 1
                 next_churn = time.time() + args.churn_every
-                print(f"churn: killed {victim}, started {name} in its namespace", flush=True)
+                print(f"churn: killed {victim}, started {name} on a new host", flush=True)
             time.sleep(1)
         sent = sum(net.tx_bytes(ns) - start_bytes[ns] for ns, _ in hosts.values())
         failed = [name for name, p in trainers.items() if p.process.returncode not in (0, -signal.SIGKILL)]
@@ -223,10 +279,12 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
         for p in [*trainers.values(), *processes]:
             p.stop(timeout=20)
         net.teardown()
-    return summarize(args, workdir, trainers, kills, sent, latency)
+    return summarize(args, workdir, trainers, kills, sent, latency, rtt_ms)
 
 
-def summarize(args, workdir: Path, trainers: dict, kills: list[float], sent_bytes: int, latency: bool) -> dict:
+def summarize(
+    args, workdir: Path, trainers: dict, kills: list[float], sent_bytes: int, latency: str, rtt_ms: float
+) -> dict:
     logs = {name: read_train_log(workdir / name) for name in trainers}
     records = [r for log in logs.values() for r in log]
     steps = sorted({r["step"] for r in records})
@@ -247,15 +305,22 @@ def summarize(args, workdir: Path, trainers: dict, kills: list[float], sent_byte
     parameters = {"tiny": 124_530}.get(args.model, 0)
     from safetensors.torch import load_file
 
-    finals = [
-        load_file(workdir / name / f"checkpoint-{args.max_steps}" / "model.safetensors")
-        for name, log in logs.items()
-        if log and log[-1]["step"] == args.max_steps
-    ]
-    difference = max((float((a[k] - b[k]).abs().max()) for a, b in zip(finals, finals[1:]) for k in a), default=0.0)
+    # every trainer that finished cleanly, by its latest checkpoint: a peer whose step labels lag one behind the
+    # swarm's stops on the same all-reduce as the others, under a label one lower
+    finishers = [name for name, p in trainers.items() if p.process.returncode == 0]
+    finals = []
+    for name in finishers:
+        checkpoint = latest_checkpoint(workdir / name)
+        if checkpoint is not None:
+            finals.append(load_file(checkpoint / "model.safetensors"))
+    pairs = [(a[k], b[k]) for a, b in zip(finals, finals[1:]) for k in a]
+    difference = max((float((a - b).abs().max()) for a, b in pairs), default=0.0)
+    # the agreement criterion of the two-trainer test: |a - b| <= atol + rtol * |b| for every entry
+    agree = all(bool(((a - b).abs() <= AGREEMENT_ATOL + AGREEMENT_RTOL * b.abs()).all()) for a, b in pairs)
     return {
         "profile": args.profile,
-        "latency_shaped": latency,
+        "latency_by": latency,
+        "round_trip_ms": rtt_ms,
         "compression": args.compression,
         "aux": args.aux,
         "trainers": args.trainers,
@@ -270,20 +335,24 @@ def summarize(args, workdir: Path, trainers: dict, kills: list[float], sent_byte
         "samples_lost_to_churn": lost,
         "steps_after_last_churn": sum(times[s] > kills[-1] for s in steps) if kills else len(steps),
         "peers_at_the_end": len(finals),
+        "final_steps": sorted(read_train_log(workdir / name)[-1]["step"] for name in finishers),
         "max_parameter_difference": difference,
+        "parameters_agree": agree,
     }
 
 
 def print_table(result: dict) -> None:
-    shaping = "tc tbf bandwidth" + (
-        " + netem latency" if result["latency_shaped"] else "; latency NOT shaped (kernel has no sch_netem)"
-    )
+    shaping = {
+        "netem": "tc netem: latency and bandwidth",
+        "switch": "tc tbf bandwidth, latency by delayswitch.py (this kernel has no sch_netem)",
+    }[result["latency_by"]]
     print(
         f"\nprofile={result['profile']} ({shaping}), compression={result['compression']}, "
         f"aux={'assisting' if result['aux'] else 'none'}, trainers={result['trainers']}, "
         f"churn events={result['churn_events']}\n"
     )
     rows = [
+        ("round trip between trainers (measured)", f"{result['round_trip_ms']:.1f} ms"),
         ("global steps", f"{result['global_steps']}"),
         ("global steps per minute", f"{result['steps_per_minute']:.2f}"),
         ("seconds per global step", f"{result['seconds_per_step']:.2f}"),
@@ -294,9 +363,11 @@ def print_table(result: dict) -> None:
         ("failed averaging rounds", f"{result['failed_rounds']}"),
         ("samples lost to churn", f"{result['samples_lost_to_churn']}"),
         ("global steps after the last churn event", f"{result['steps_after_last_churn']}"),
+        ("final peers (their last step labels)", f"{result['peers_at_the_end']} ({result['final_steps']})"),
+        ("max parameter difference between the final peers", f"{result['max_parameter_difference']:.2e}"),
         (
-            f"max parameter difference between the {result['peers_at_the_end']} final peers",
-            f"{result['max_parameter_difference']:.2e}",
+            f"parameters agree (atol {AGREEMENT_ATOL:g}, rtol {AGREEMENT_RTOL:g})",
+            "yes" if result["parameters_agree"] else "NO",
         ),
     ]
     print("| measurement | value |\n|---|---:|")
@@ -322,6 +393,21 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--metadata_expiration", type=float, default=15.0, help="seconds a progress report lives; short under churn"
     )
+    parser.add_argument(
+        "--next_chunk_timeout",
+        type=float,
+        default=10.0,
+        help="seconds an all-reduce waits for a peer's next chunk before averaging without it; hivemind's default "
+        "(the matchmaking time, 3 s here) drops parts of the last rounds on a 20 Mbit/s uplink",
+    )
+    parser.add_argument(
+        "--averaging_timeout",
+        type=float,
+        default=10.0,
+        help="seconds before an all-reduce round that found no group is abandoned (it then uses local gradients); "
+        "a round takes 3-4 s on these links, and with 30 s two peers whose rounds start apart after churn can keep "
+        "missing each other, each round failing after the full timeout",
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before the scenario is abandoned")
     parser.add_argument("--quick", action="store_true", help="the smallest scenario: 2 trainers, one churn event")
     parser.add_argument("--output_json", default=None, help="also write the results to this JSON file")
@@ -332,6 +418,10 @@ def main(argv=None) -> int:
         args.trainers, args.max_steps, args.churn_every, args.churn_events = 2, 8, 20.0, 1
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
         print("error: netswarm.py needs root and iproute2 (ip, tc) to build network namespaces", file=sys.stderr)
+        return 2
+    args.latency_by = "netem" if netem_available() else "switch"
+    if args.latency_by == "switch" and not shutil.which("ethtool"):
+        print("error: no sch_netem here; the latency switch needs ethtool: apt-get install ethtool", file=sys.stderr)
         return 2
     tag = f"{os.getpid() % 10000}"
 

@@ -143,7 +143,7 @@ def train(swarm_args, averaging_args, optimizer_args, model_args, training_args,
             if state is not None:
                 optimizer.load_state_dict(state)
                 optimizer.state_averager._update_scheduler()  # the LR follows the restored global step
-        _catch_up_with_swarm(optimizer, dht, swarm_args.run_id)
+        state_missing = _catch_up_with_swarm(optimizer, dht, swarm_args.run_id)
 
         collator = PretrainingCollator.from_tokenizer(
             tokenizer,
@@ -171,6 +171,7 @@ def train(swarm_args, averaging_args, optimizer_args, model_args, training_args,
                 dht,
                 public_key,
                 samples_per_pass,
+                state_missing,
                 stop,
                 swarm_args,
                 optimizer_args,
@@ -185,23 +186,38 @@ def train(swarm_args, averaging_args, optimizer_args, model_args, training_args,
         dht.shutdown()
 
 
-def _catch_up_with_swarm(optimizer: hivemind.Optimizer, dht, run_id: str, timeout: float = 30.0) -> None:
+def _catch_up_with_swarm(optimizer: hivemind.Optimizer, dht, run_id: str, timeout: float = 30.0) -> bool:
     """Download the swarm's state now if it is ahead (instead of on the first step, silently).
 
     Ahead means: trainers report a later global step, or an aux peer announces a state to rescue the run from.
+    Returns True if the swarm is ahead and no peer could share its state, so the training loop retries.
     """
     optimizer.tracker.fetched_global_progress_this_epoch.wait(timeout)
     swarm_step = max(optimizer.tracker.global_epoch, metrics.fetch_announced_step(dht, run_id))
-    if optimizer.local_epoch < swarm_step:
-        logger.info(f"the swarm is at step {swarm_step}: downloading its state from peers")
-        optimizer.load_state_from_peers()
-        if optimizer.local_epoch < swarm_step - 1:
-            logger.warning(
-                f"no peer could share the swarm's state (client-mode peers cannot serve it): training from "
-                f"step {optimizer.local_epoch} and retrying at every step until one can"
-            )
-        else:
-            logger.info(f"joined at global step {optimizer.local_epoch}")
+    if optimizer.local_epoch >= swarm_step:
+        return False
+    logger.info(f"the swarm is at step {swarm_step}: downloading its state from peers")
+    if _download_state(optimizer):
+        logger.info(f"joined at global step {optimizer.local_epoch}")
+        return False
+    logger.warning(
+        f"no peer could share the swarm's state (client-mode peers cannot serve it): training from step "
+        f"{optimizer.local_epoch} with this peer's own optimizer state and retrying after every global step"
+    )
+    return True
+
+
+@torch.no_grad()
+def _download_state(optimizer: hivemind.Optimizer) -> bool:
+    """hivemind's load_state_from_peers, and whether it really brought a state.
+
+    When no peer answers, hivemind still moves a peer that is one step behind to the swarm's step (to tolerate a
+    lagging peer), and a newcomer would then train with its own fresh optimizer statistics. A state that arrived
+    changes the parameters: the swarm is at least one step past this peer's.
+    """
+    before = [p.detach().clone() for p in optimizer.state_averager.main_parameters]
+    optimizer.load_state_from_peers()
+    return any(not torch.equal(a, p) for a, p in zip(before, optimizer.state_averager.main_parameters))
 
 
 class LocalCompute:
@@ -241,6 +257,7 @@ def _training_loop(
     dht,
     public_key,
     samples_per_pass,
+    state_missing,
     stop,
     swarm_args,
     optimizer_args,
@@ -257,7 +274,7 @@ def _training_loop(
     last_epoch, last_log = optimizer.local_epoch, time.monotonic()
     passes, saved_after_pass = 0, None  # a checkpoint saved after the last pass is not written again at the end
     with open(output_dir / LOG_FILE, "a") as log_file:
-        while not stop and not _reached(optimizer.local_epoch, training_args.max_steps):
+        while not stop and not _swarm_reached(optimizer, training_args.max_steps):
             compute_start = time.perf_counter()
             scale = 1.0 / training_args.gradient_accumulation_steps
             losses = [compute.backward(next(batches), scale) for _ in range(training_args.gradient_accumulation_steps)]
@@ -272,6 +289,8 @@ def _training_loop(
                 logger.warning(f"non-finite loss or gradients: this batch is dropped ({skipped} so far)")
                 optimizer.zero_grad(set_to_none=True)
                 continue
+            if _swarm_reached(optimizer, training_args.max_steps):
+                break  # the swarm got there during this pass: leave these gradients unsent rather than step alone
             # hivemind changes the host parameters in a step that starts a new epoch, and (with delayed updates) in
             # the first step after a background update was pending: only then does a device copy need them again
             updates_pending = bool(optimizer.state_averager.pending_updates)
@@ -288,6 +307,9 @@ def _training_loop(
             )
 
             if optimizer.local_epoch != last_epoch:
+                if state_missing and _download_state(optimizer):
+                    state_missing = False
+                    logger.info(f"downloaded the swarm's state at global step {optimizer.local_epoch}")
                 contributed += samples_this_step
                 record = _finish_global_step(
                     optimizer,
@@ -332,8 +354,16 @@ def _training_loop(
     return result
 
 
-def _reached(step: int, max_steps: int | None) -> bool:
-    return max_steps is not None and step >= max_steps
+def _swarm_reached(optimizer: hivemind.Optimizer, max_steps: int | None) -> bool:
+    """Whether the SWARM is at --max_steps, not only this peer.
+
+    A peer whose step labels lag one behind the others' (it joined or caught up while they stepped) would otherwise
+    see the swarm ahead, step at once to catch up, find no one left to average with and make a last step alone.
+    Stopping on the swarm's step ends it on the same all-reduce as the rest, under a label one lower.
+    """
+    if max_steps is None:
+        return False
+    return max(optimizer.local_epoch, optimizer.tracker.global_epoch) >= max_steps
 
 
 def _finish_global_step(

@@ -265,7 +265,7 @@ def _training_loop(
 ) -> TrainResult:
     output_dir = Path(training_args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    scaler = getattr(compute, "scaler", None)
+    scaler = compute.scaler
     good_state = LastGoodState(optimizer)
     good_state.save()
 

@@ -79,6 +79,7 @@ class SpmdReplica:
         self.host_parameters = list(host.values())
         self.device_parameters = [device[name] for name in host]
         self.autocast = torch.autocast("xla", dtype=dtype) if dtype is not None else nullcontext()
+        self.scaler = None  # loss scaling is for fp16, which only CUDA peers compute in
         self.passes = 0
         self.input_sharding = None  # XLA's sharding spec of the first batch, e.g. {devices=[4,1]0,1,2,3}
         self.recompilations = 0  # graphs compiled in a pass after the warm-up passes: each one is a stall

@@ -133,6 +133,26 @@ class AveragingArguments:
         default="fp16",
         metadata={"help": "Compression of averaged tensors.", "choices": ["none", "fp16", "8bit", "adaptive"]},
     )
+    load_state_timeout: float = field(
+        default=600.0,
+        metadata={
+            "help": "Seconds one download of the swarm's state may take before it is retried (hivemind's default; "
+            "a full-size state over a slow uplink needs minutes). hivemind 1.1 can lose a download whose first dial "
+            "hangs, and the peer then waits this long: set it lower for small models."
+        },
+    )
+    final_averaging_window: float = field(
+        default=30.0,
+        metadata={
+            "help": "Seconds the trainers that reach --max_steps wait for each other to average their parameters "
+            "once more, so they all end with the same model (with delayed updates each applies the last update on "
+            "its own). Peers finishing within this window of the first one join it; 0 skips the round."
+        },
+    )
+
+    def __post_init__(self):
+        if self.final_averaging_window < 0:
+            raise ValueError(f"--final_averaging_window must be >= 0 seconds, got {self.final_averaging_window}")
 
 
 @dataclass
@@ -161,6 +181,14 @@ class CollaborativeOptimizerArguments:
         default=False,
         metadata={"help": "Step locally every batch and only average parameters (no gradient averaging)."},
     )
+    max_refresh_period: float = field(
+        default=10.0,
+        metadata={
+            "help": "Most seconds between two reads of the swarm's progress from the DHT. Until its next read a "
+            "peer that started before the others saw them counts only its own samples (and may step alone): keep it "
+            "well under the time of a global step."
+        },
+    )
     metadata_expiration: float = field(
         default=60.0,
         metadata={
@@ -174,6 +202,8 @@ class CollaborativeOptimizerArguments:
             raise ValueError(f"--target_batch_size must be positive, got {self.target_batch_size}")
         if not 0 <= self.batch_size_lead < self.target_batch_size:
             raise ValueError("--batch_size_lead must be at least 0 and below --target_batch_size")
+        if self.max_refresh_period < 0.5:  # hivemind's own floor between two reads
+            raise ValueError(f"--max_refresh_period must be at least 0.5 seconds, got {self.max_refresh_period}")
 
 
 @dataclass

@@ -188,6 +188,7 @@ def trainer_args(args, run_id: str, initial_peers: list[str], ip: str, output_di
         metadata_expiration=args.metadata_expiration,
         next_chunk_timeout=args.next_chunk_timeout,
         averaging_timeout=args.averaging_timeout,
+        final_averaging_window=args.final_averaging_window,
     )
     if args.lockstep:  # no delayed updates: every peer waits for each all-reduce before its next step
         flags += ["--delay_optimizer_step", "false", "--delay_grad_averaging", "false"]
@@ -305,14 +306,17 @@ def summarize(
     parameters = {"tiny": 124_530}.get(args.model, 0)
     from safetensors.torch import load_file
 
-    # every trainer that finished cleanly, by its latest checkpoint: a peer whose step labels lag one behind the
-    # swarm's stops on the same all-reduce as the others, under a label one lower
+    # every trainer that finished cleanly, by its latest checkpoint (written after the final parameter round)
     finishers = [name for name, p in trainers.items() if p.process.returncode == 0]
-    finals = []
+    final_round = [
+        re.findall(r"final parameters averaged by (\d+) peers", (workdir / f"{n}.log").read_text()) for n in finishers
+    ]
+    finals, final_steps = [], []
     for name in finishers:
         checkpoint = latest_checkpoint(workdir / name)
         if checkpoint is not None:
             finals.append(load_file(checkpoint / "model.safetensors"))
+            final_steps.append(int(checkpoint.name.split("-")[-1]))
     pairs = [(a[k], b[k]) for a, b in zip(finals, finals[1:]) for k in a]
     difference = max((float((a - b).abs().max()) for a, b in pairs), default=0.0)
     # the agreement criterion of the two-trainer test: |a - b| <= atol + rtol * |b| for every entry
@@ -335,7 +339,9 @@ def summarize(
         "samples_lost_to_churn": lost,
         "steps_after_last_churn": sum(times[s] > kills[-1] for s in steps) if kills else len(steps),
         "peers_at_the_end": len(finals),
-        "final_steps": sorted(read_train_log(workdir / name)[-1]["step"] for name in finishers),
+        "final_steps": sorted(final_steps),  # the step labels of their final checkpoints
+        # peers in the final parameter round, as each finisher saw it (0: it found nobody)
+        "final_round_peers": sorted(int(found[-1]) if found else 0 for found in final_round),
         "max_parameter_difference": difference,
         "parameters_agree": agree,
     }
@@ -364,6 +370,7 @@ def print_table(result: dict) -> None:
         ("samples lost to churn", f"{result['samples_lost_to_churn']}"),
         ("global steps after the last churn event", f"{result['steps_after_last_churn']}"),
         ("final peers (their last step labels)", f"{result['peers_at_the_end']} ({result['final_steps']})"),
+        ("peers in the final parameter round, per finisher", f"{result['final_round_peers']}"),
         ("max parameter difference between the final peers", f"{result['max_parameter_difference']:.2e}"),
         (
             f"parameters agree (atol {AGREEMENT_ATOL:g}, rtol {AGREEMENT_RTOL:g})",
@@ -408,6 +415,13 @@ def main(argv=None) -> int:
         "a round takes 3-4 s on these links, and with 30 s two peers whose rounds start apart after churn can keep "
         "missing each other, each round failing after the full timeout",
     )
+    parser.add_argument(
+        "--final_averaging_window",
+        type=float,
+        default=20.0,
+        help="seconds the trainers that reach --max_steps wait for each other to average parameters one last time; "
+        "on these links the last one can finish ~10 s after the first (a next_chunk_timeout)",
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before the scenario is abandoned")
     parser.add_argument("--quick", action="store_true", help="the smallest scenario: 2 trainers, one churn event")
     parser.add_argument("--output_json", default=None, help="also write the results to this JSON file")
@@ -435,6 +449,9 @@ def main(argv=None) -> int:
         except KeyboardInterrupt:
             print("interrupted: namespaces and processes removed", file=sys.stderr)
             return 130
+        except (TimeoutError, RuntimeError) as e:  # a hung or failed peer: its log tail is in the message
+            print(f"error: {e} (namespaces and processes removed)", file=sys.stderr)
+            return 1
         finally:
             if args.keep_logs:
                 shutil.copytree(

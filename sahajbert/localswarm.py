@@ -33,6 +33,12 @@ def tiny_trainer_flags(host: str = "127.0.0.1", **overrides) -> list[str]:
         "total_steps": 200,
         "matchmaking_time": 3,
         "averaging_timeout": 30,
+        # peers here finish within a second or two of each other: a short window keeps the final round quick
+        "final_averaging_window": 10,
+        # a global step takes a few seconds here: read the swarm's progress at least every 2 s (hivemind: 10 s)
+        "max_refresh_period": 2,
+        # the tiny state downloads in seconds even over 20 Mbit/s; a lost download is retried after 30 s, not 600
+        "load_state_timeout": 30,
         "log_every_seconds": 5,
         "shuffle_buffer": 200,
         "host_maddrs": f"/ip4/{host}/tcp/0",

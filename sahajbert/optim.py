@@ -145,6 +145,7 @@ def build_collaborative_optimizer(
         matchmaking_time=averaging_args.matchmaking_time,
         averaging_timeout=averaging_args.averaging_timeout,
         next_chunk_timeout=averaging_args.next_chunk_timeout,
+        load_state_timeout=averaging_args.load_state_timeout,
         offload_optimizer=optimizer_args.offload_optimizer,
         delay_optimizer_step=optimizer_args.delay_optimizer_step,
         delay_grad_averaging=optimizer_args.delay_grad_averaging and not optimizer_args.use_local_updates,
@@ -158,7 +159,10 @@ def build_collaborative_optimizer(
         state_averaging_compression=state_compression,
         load_state_compression=state_compression,
         averager_opts=averager_opts or None,
-        tracker_opts={"metadata_expiration": optimizer_args.metadata_expiration},
+        tracker_opts={
+            "metadata_expiration": optimizer_args.metadata_expiration,
+            "max_refresh_period": optimizer_args.max_refresh_period,
+        },
         verbose=True,
     )
 

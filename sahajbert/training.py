@@ -14,6 +14,8 @@ from pathlib import Path
 import hivemind
 import torch
 from accelerate import PartialState
+from hivemind.averaging.control import AveragingStage
+from hivemind.utils import get_dht_time
 
 from sahajbert import checkpoints, metrics
 from sahajbert.cli import UserError
@@ -174,7 +176,7 @@ def train(swarm_args, averaging_args, optimizer_args, model_args, training_args,
                 state_missing,
                 stop,
                 swarm_args,
-                optimizer_args,
+                averaging_args,
                 training_args,
             )
         return result
@@ -260,7 +262,7 @@ def _training_loop(
     state_missing,
     stop,
     swarm_args,
-    optimizer_args,
+    averaging_args,
     training_args,
 ) -> TrainResult:
     output_dir = Path(training_args.output_dir)
@@ -272,9 +274,8 @@ def _training_loop(
     result = TrainResult(final_step=optimizer.local_epoch)
     loss_sum, mini_steps, samples_this_step, skipped, contributed, compute_seconds = 0.0, 0, 0, 0, 0, 0.0
     last_epoch, last_log = optimizer.local_epoch, time.monotonic()
-    passes, saved_after_pass = 0, None  # a checkpoint saved after the last pass is not written again at the end
     with open(output_dir / LOG_FILE, "a") as log_file:
-        while not stop and not _swarm_reached(optimizer, training_args.max_steps):
+        while not stop and not _should_stop(optimizer, training_args.max_steps):
             compute_start = time.perf_counter()
             scale = 1.0 / training_args.gradient_accumulation_steps
             losses = [compute.backward(next(batches), scale) for _ in range(training_args.gradient_accumulation_steps)]
@@ -289,15 +290,14 @@ def _training_loop(
                 logger.warning(f"non-finite loss or gradients: this batch is dropped ({skipped} so far)")
                 optimizer.zero_grad(set_to_none=True)
                 continue
-            if _swarm_reached(optimizer, training_args.max_steps):
-                break  # the swarm got there during this pass: leave these gradients unsent rather than step alone
+            if _should_stop(optimizer, training_args.max_steps):
+                break  # the swarm got there during this pass, in a round without us: do not step alone
             # hivemind changes the host parameters in a step that starts a new epoch, and (with delayed updates) in
             # the first step after a background update was pending: only then does a device copy need them again
             updates_pending = bool(optimizer.state_averager.pending_updates)
             epoch_before = optimizer.local_epoch
             optimizer.step(batch_size=samples_per_pass, grad_scaler=scaler)
             optimizer.zero_grad(set_to_none=True)
-            passes += 1
             if scaler is not None:
                 scaler.update()
             loss_sum, mini_steps, samples_this_step = (
@@ -328,7 +328,6 @@ def _training_loop(
                 log_file.flush()
                 if optimizer.local_epoch % training_args.save_steps == 0:
                     result.checkpoint = _save(model, tokenizer, optimizer, training_args, record)
-                    saved_after_pass = passes
                 loss_sum, mini_steps, samples_this_step, compute_seconds = 0.0, 0, 0, 0.0
                 last_epoch = optimizer.local_epoch
             if updates_pending or optimizer.local_epoch != epoch_before:
@@ -343,15 +342,77 @@ def _training_loop(
                 )
                 last_log = time.monotonic()
 
-    optimizer.state_averager.step(wait_for_delayed_updates=True)  # apply a step still running in the background
+    _apply_pending_updates(optimizer)  # a step or parameter round still running in the background
+    averaged_at_end = False
+    if not stop and training_args.max_steps is not None and averaging_args.final_averaging_window > 0:
+        averaged_at_end = _average_final_parameters(optimizer, averaging_args.final_averaging_window)
     compute.push_parameters()  # an XLA device copy ends with the final parameters too (a no-op elsewhere)
     if not isinstance(compute, LocalCompute):
         logger.info(f"device copy vs host parameters: max difference {compute.max_difference():.3g}")
     result.final_step = optimizer.local_epoch
-    if result.steps and result.steps[-1]["step"] == optimizer.local_epoch and saved_after_pass != passes:
-        result.checkpoint = _save(model, tokenizer, optimizer, training_args, result.steps[-1])
+    # always written again at the end: a background round may have changed the parameters after the last save
+    if result.steps or averaged_at_end:
+        last = result.steps[-1] if result.steps else {"loss": None}
+        result.checkpoint = _save(model, tokenizer, optimizer, training_args, last)
     logger.info(f"stopped at global step {optimizer.local_epoch}" + (" (stop requested)" if stop else ""))
     return result
+
+
+def _should_stop(optimizer: hivemind.Optimizer, max_steps: int | None) -> bool:
+    """The swarm reached --max_steps, and no gradient round this peer was matched into is waiting for it.
+
+    When another peer's step takes the swarm to the last step while this one is still computing, both were grouped
+    for that step's all-reduce in advance (hivemind pre-schedules it): this peer then makes that step too, or the
+    group would wait for its part until next_chunk_timeout and the two would end one update apart. Without such a
+    group, a step now would be a lonely one.
+    """
+    if not _swarm_reached(optimizer, max_steps):
+        return False
+    scheduled = optimizer.scheduled_grads
+    return scheduled is None or scheduled.done() or scheduled.stage != AveragingStage.AWAITING_TRIGGER
+
+
+def _average_final_parameters(optimizer: hivemind.Optimizer, window: float) -> bool:
+    """One last parameter average among the trainers that stop at --max_steps; True if this peer's changed.
+
+    With delayed updates every peer applies the run's last update after its loop ends, and a peer that stopped
+    without that update (or failed the last background rounds) would keep different parameters: the per-step
+    parameter averaging that pulls peers together during a run has no next step here. hivemind's matchmaking makes the
+    peer whose window ends first the leader and starts the all-reduce when it ends, so every peer that finishes
+    within `window` seconds of the first joins one group. A slower peer's last regular parameter round can also
+    take in a peer that already waits here: then the others are gone when it arrives, and it stops waiting as soon
+    as the progress tracker shows no other peer.
+    """
+    if optimizer.tracker.global_progress.num_peers < 2:
+        return False  # nobody to agree with (the tracker counts the peers that reported progress recently)
+    averager = optimizer.state_averager
+    # a client-mode peer cannot lead a group, and a leader only takes followers whose own wait ends after its own:
+    # a client waits twice the window, so that it can join a leader that arrives up to `window` after it
+    wait = 2 * window if optimizer.client_mode else window
+    timeout = wait + optimizer.averaging_timeout
+    logger.info(f"averaging parameters with the peers that finish within {window:g} s, for a common final model")
+    control = averager.schedule_step(
+        scheduled_time=get_dht_time() + wait, gather=optimizer.local_epoch, timeout=timeout
+    )
+    # the group ends with one set of parameters, so it ends under one step label too: the highest gathered (a peer
+    # whose labels lag one behind the swarm's took part in the same rounds); hivemind also moves the LR schedule
+    averager.sync_epoch_when_averaging = True
+    # in the background, so that this peer can give up once it is alone; applied by the wait below
+    averager.step(
+        averaging_round=True, averaging_control=control, delay_averaging=True, averaging_opts={"timeout": timeout}
+    )
+    while not control.done():
+        time.sleep(0.5)
+        if control.stage == AveragingStage.LOOKING_FOR_GROUP and optimizer.tracker.global_progress.num_peers < 2:
+            control.cancel()
+            break
+    _apply_pending_updates(optimizer)
+    if control.cancelled() or control.exception() is not None:
+        logger.info("no other peer was left for a final parameter round: this peer keeps those of its last round")
+        return False
+    steps = sorted(control.result().values())
+    logger.info(f"final parameters averaged by {len(steps)} peers (their steps: {steps})")
+    return True
 
 
 def _swarm_reached(optimizer: hivemind.Optimizer, max_steps: int | None) -> bool:
@@ -406,8 +467,23 @@ def _finish_global_step(
     }
 
 
+def _apply_pending_updates(optimizer: hivemind.Optimizer) -> None:
+    """Wait for every background optimizer step and averaging round, and apply them to the parameters.
+
+    hivemind's own wait gives each update at most the all-reduce timeout and then leaves it running: a checkpoint
+    written right after could miss a round that lands a moment later. Retried up to twice the averaging timeout.
+    """
+    averager = optimizer.state_averager
+    deadline = time.monotonic() + 2 * optimizer.averaging_timeout
+    averager.step(wait_for_delayed_updates=True)
+    while averager.pending_updates and time.monotonic() < deadline:
+        averager.step(wait_for_delayed_updates=True)
+    if averager.pending_updates:
+        logger.warning("a background averaging round is still running: these parameters may miss its result")
+
+
 def _save(model, tokenizer, optimizer, training_args, record) -> Path:
-    optimizer.state_averager.step(wait_for_delayed_updates=True)  # save parameters with every step applied
+    _apply_pending_updates(optimizer)  # save parameters with every step applied
     return checkpoints.save_checkpoint(
         training_args.output_dir,
         optimizer.local_epoch,

@@ -26,10 +26,9 @@ def namespaces() -> set[str]:
 def test_quick_scenario_keeps_stepping_through_churn_and_ends_in_agreement(tmp_path):
     before = namespaces()
     result_path = tmp_path / "result.json"
-    # lockstep: with delayed updates (DPU), the last update of a run is applied after the all-reduce it waits for,
-    # and the peer that stops first leaves the other to apply its last update alone (see the README)
+    # the trainers' defaults: delayed parameter updates (DPU), then one final parameter round at --max_steps
     run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "netswarm.py"), "--quick", "--lockstep", "--timeout", "420"]
+        [sys.executable, str(ROOT / "benchmarks" / "netswarm.py"), "--quick", "--timeout", "420"]
         + ["--output_json", str(result_path), "--keep_logs", str(tmp_path / "logs")],
         capture_output=True,
         text=True,
@@ -45,6 +44,7 @@ def test_quick_scenario_keeps_stepping_through_churn_and_ends_in_agreement(tmp_p
     assert result["global_steps"] == 8
     assert result["steps_after_last_churn"] >= 3, "global steps must keep being made after the churn event"
     assert result["peers_at_the_end"] == 2
+    assert max(result["final_round_peers"]) == 2, "the two finishers averaged their parameters once more"
     assert result["parameters_agree"], f"final peers differ by up to {result['max_parameter_difference']:.2e}"
     assert "| global steps per minute |" in run.stdout, "the result table is printed"
     assert namespaces() == before, "every namespace the run made is gone"

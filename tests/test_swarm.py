@@ -34,18 +34,23 @@ def weights(checkpoint) -> dict[str, torch.Tensor]:
     return AlbertForPreTraining.from_pretrained(checkpoint).state_dict()
 
 
-def test_two_trainers_make_global_steps_and_agree(tmp_path, first_peer):
+@pytest.mark.parametrize("mode", ["dpu", "lockstep"])
+def test_two_trainers_make_global_steps_and_agree(tmp_path, first_peer, mode):
     run_id, initial_peers = first_peer
-    # lockstep (no delayed updates): with DPU a much slower peer's background rounds can overlap step transitions,
-    # and peers that stop at --max_steps could then end one solo step apart. DPU is covered by the other tests.
-    lockstep = ["--delay_optimizer_step", "false", "--delay_grad_averaging", "false"]
-    peers = [trainer(tmp_path, f"t{i}", run_id, initial_peers, "--max_steps", "5", *lockstep) for i in range(2)]
+    # dpu: the default, delayed parameter updates (each peer applies the last update in the background, then the
+    # trainers average once more); lockstep: every peer waits for each all-reduce before its next step
+    flags = ["--delay_optimizer_step", "false", "--delay_grad_averaging", "false"] if mode == "lockstep" else []
+    peers = [trainer(tmp_path, f"t{i}", run_id, initial_peers, "--max_steps", "5", *flags) for i in range(2)]
     try:
         for peer in peers:
             assert peer.wait(300) == 0, peer.output()[-3000:]
     finally:
         for peer in peers:
             peer.stop()
+    # the trainers that stop together average their parameters once more (a slower peer's last regular parameter
+    # round can be the one that takes in the other's final round: then it finds nobody left for its own)
+    outputs = [peer.output() for peer in peers]
+    assert any("final parameters averaged by 2 peers" in out for out in outputs), outputs[0][-3000:]
     logs = [train_log(tmp_path / f"t{i}") for i in range(2)]
     for log in logs:
         assert log[-1]["step"] >= 5
@@ -171,6 +176,7 @@ def test_sigterm_stops_cleanly_without_orphans(tmp_path, first_peer):
         (["--per_device_train_batch_size", "0"], "per_device_train_batch_size must be at least 1"),
         (["--device", "tpu"], "pip install -r requirements-tpu.txt"),
         (["--device", "cpu", "--precision", "fp16"], "needs a CUDA GPU"),
+        (["--final_averaging_window", "-5"], "--final_averaging_window must be >= 0 seconds"),
     ],
 )
 def test_bad_input_is_one_clear_line(tmp_path, args, message):

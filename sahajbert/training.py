@@ -296,6 +296,10 @@ def _training_loop(
             # the first step after a background update was pending: only then does a device copy need them again
             updates_pending = bool(optimizer.state_averager.pending_updates)
             epoch_before = optimizer.local_epoch
+            if _last_step_ahead(optimizer, training_args.max_steps) and averaging_args.final_averaging_window > 0:
+                # the final round replaces this step's parameter averaging: a background round still pending would
+                # hold this peer back from it, or pair with another peer's final round and be triggered late
+                optimizer.average_state_every = NO_STATE_AVERAGING
             optimizer.step(batch_size=samples_per_pass, grad_scaler=scaler)
             optimizer.zero_grad(set_to_none=True)
             if scaler is not None:
@@ -358,6 +362,15 @@ def _training_loop(
     return result
 
 
+NO_STATE_AVERAGING = 2**62  # an average_state_every no global step number is a multiple of
+FINAL_GROUP_BITS = "1"  # the final round's own matchmaking key: it never pairs with a peer's regular round
+
+
+def _last_step_ahead(optimizer: hivemind.Optimizer, max_steps: int | None) -> bool:
+    """The next global step is the swarm's last one (by the swarm's step, as hivemind numbers the next epoch)."""
+    return max_steps is not None and max(optimizer.local_epoch + 1, optimizer.tracker.global_epoch) >= max_steps
+
+
 def _should_stop(optimizer: hivemind.Optimizer, max_steps: int | None) -> bool:
     """The swarm reached --max_steps, and no gradient round this peer was matched into is waiting for it.
 
@@ -373,15 +386,16 @@ def _should_stop(optimizer: hivemind.Optimizer, max_steps: int | None) -> bool:
 
 
 def _average_final_parameters(optimizer: hivemind.Optimizer, window: float) -> bool:
-    """One last parameter average among the trainers that stop at --max_steps; True if this peer's changed.
+    """One last parameter average among the trainers that stop at --max_steps; True if it averaged with others.
 
     With delayed updates every peer applies the run's last update after its loop ends, and a peer that stopped
     without that update (or failed the last background rounds) would keep different parameters: the per-step
     parameter averaging that pulls peers together during a run has no next step here. hivemind's matchmaking makes the
     peer whose window ends first the leader and starts the all-reduce when it ends, so every peer that finishes
-    within `window` seconds of the first joins one group. A slower peer's last regular parameter round can also
-    take in a peer that already waits here: then the others are gone when it arrives, and it stops waiting as soon
-    as the progress tracker shows no other peer.
+    within `window` seconds of the first joins one group. It matches under its own key, so it never pairs with a
+    slower peer's regular round (one triggered late, after that peer's gradient round, gave the two peers different
+    partial results), and the last global step makes no regular parameter round at all. A peer that arrives after
+    the others left stops waiting as soon as the progress tracker shows no other peer.
     """
     if optimizer.tracker.global_progress.num_peers < 2:
         return False  # nobody to agree with (the tracker counts the peers that reported progress recently)
@@ -391,6 +405,10 @@ def _average_final_parameters(optimizer: hivemind.Optimizer, window: float) -> b
     wait = 2 * window if optimizer.client_mode else window
     timeout = wait + optimizer.averaging_timeout
     logger.info(f"averaging parameters with the peers that finish within {window:g} s, for a common final model")
+    for scheduled in (optimizer.scheduled_state, optimizer.scheduled_grads):  # rounds this peer will not make
+        if scheduled is not None and scheduled.stage == AveragingStage.LOOKING_FOR_GROUP:
+            scheduled.cancel()
+    averager.set_group_bits(FINAL_GROUP_BITS)
     control = averager.schedule_step(
         scheduled_time=get_dht_time() + wait, gather=optimizer.local_epoch, timeout=timeout
     )

@@ -16,6 +16,18 @@ def last_step(output_dir: Path) -> int:
     return records[-1]["step"] if records else 0
 
 
+def final_step(output_dir: Path) -> int:
+    """The step label of a peer's final checkpoint, written after the final parameter round.
+
+    Its train log can end one or two steps lower: a peer whose labels lag the swarm's takes part in the same rounds
+    and adopts the group's highest label only in that final round.
+    """
+    from sahajbert.checkpoints import latest_checkpoint
+
+    checkpoint = latest_checkpoint(output_dir)
+    return int(checkpoint.name.split("-")[-1]) if checkpoint is not None else 0
+
+
 def swarm_loss(logs: list[list[dict]], steps) -> float:
     """The swarm's mean loss per mini-step over some global steps, from every peer's records.
 

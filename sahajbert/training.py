@@ -272,6 +272,8 @@ def _training_loop(
     good_state.save()
 
     result = TrainResult(final_step=optimizer.local_epoch)
+    # trainers that stop at --max_steps average their parameters once more (see _average_final_parameters)
+    final_round = training_args.max_steps is not None and averaging_args.final_averaging_window > 0
     loss_sum, mini_steps, samples_this_step, skipped, contributed, compute_seconds = 0.0, 0, 0, 0, 0, 0.0
     last_epoch, last_log = optimizer.local_epoch, time.monotonic()
     with open(output_dir / LOG_FILE, "a") as log_file:
@@ -296,7 +298,7 @@ def _training_loop(
             # the first step after a background update was pending: only then does a device copy need them again
             updates_pending = bool(optimizer.state_averager.pending_updates)
             epoch_before = optimizer.local_epoch
-            if _last_step_ahead(optimizer, training_args.max_steps) and averaging_args.final_averaging_window > 0:
+            if final_round and _last_step_ahead(optimizer, training_args.max_steps):
                 # the final round replaces this step's parameter averaging: a background round still pending would
                 # hold this peer back from it, or pair with another peer's final round and be triggered late
                 optimizer.average_state_every = NO_STATE_AVERAGING
@@ -348,7 +350,7 @@ def _training_loop(
 
     _apply_pending_updates(optimizer)  # a step or parameter round still running in the background
     averaged_at_end = False
-    if not stop and training_args.max_steps is not None and averaging_args.final_averaging_window > 0:
+    if final_round and not stop:
         averaged_at_end = _average_final_parameters(optimizer, averaging_args.final_averaging_window)
     compute.push_parameters()  # an XLA device copy ends with the final parameters too (a no-op elsewhere)
     if not isinstance(compute, LocalCompute):

@@ -3,6 +3,8 @@
 import sys
 from pathlib import Path
 
+import psutil
+
 from sahajbert.localswarm import LOOPBACK, REPO_ROOT, PeerProcess, read_train_log, tiny_trainer_flags
 
 ROOT = REPO_ROOT
@@ -26,6 +28,15 @@ def final_step(output_dir: Path) -> int:
 
     checkpoint = latest_checkpoint(output_dir)
     return int(checkpoint.name.split("-")[-1]) if checkpoint is not None else 0
+
+
+def kill_orphans(processes: list[psutil.Process]) -> None:
+    """SIGKILL what a SIGKILLed peer left behind (its DHT child, p2pd); some exit on their own first."""
+    for process in processes:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def swarm_loss(logs: list[list[dict]], steps) -> float:

@@ -16,7 +16,7 @@ from sahajbert.localswarm import PeerProcess, read_train_log, start_first_peer, 
 from sahajbert.metrics import LocalMetrics, SwarmSummary
 from sahajbert.monitor import SwarmMonitor
 
-from .swarm_helpers import start_peer
+from .swarm_helpers import kill_orphans, start_peer
 from .wandb_reader import history
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -147,8 +147,7 @@ def test_aux_peer_monitors_checkpoints_and_rescues_the_run(tmp_path):
             orphans += peer.descendants()
             peer.process.send_signal(signal.SIGKILL)
     finally:
-        for child in orphans:
-            child.kill()
+        kill_orphans(orphans)
         for peer in trainers:
             peer.stop()
         monitor.stop()

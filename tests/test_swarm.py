@@ -13,7 +13,7 @@ from sahajbert.checkpoints import latest_checkpoint
 from sahajbert.localswarm import PeerProcess, peer_env, start_first_peer, wait_for
 from sahajbert.localswarm import read_train_log as train_log
 
-from .swarm_helpers import LOCAL, ROOT, final_step, last_step, start_peer, swarm_loss
+from .swarm_helpers import LOCAL, ROOT, final_step, kill_orphans, last_step, start_peer, swarm_loss
 
 pytestmark = pytest.mark.slow
 
@@ -96,8 +96,7 @@ def test_killed_trainer_does_not_stop_the_swarm(tmp_path, first_peer):
         victim.process.send_signal(signal.SIGKILL)
         assert survivor.wait(300) == 0, survivor.output()[-3000:]
     finally:
-        for child in orphans:
-            child.kill()
+        kill_orphans(orphans)
         victim.stop()
         survivor.stop()
     assert last_step(tmp_path / "survivor") >= max(6, killed_at + 2)

@@ -225,7 +225,7 @@ def _download_state(optimizer: hivemind.Optimizer) -> bool:
 class LocalCompute:
     """The model computes where it lives (CPU or a CUDA GPU): its gradients are already where hivemind reads them.
 
-    The same three calls as sahajbert.xla.SpmdReplica, which computes on a device copy instead.
+    The same four calls as sahajbert.xla.SpmdReplica, which computes on a device copy instead.
     """
 
     def __init__(self, model: torch.nn.Module, device: torch.device, precision: str):
@@ -248,6 +248,9 @@ class LocalCompute:
 
     def push_parameters(self) -> None:
         pass  # hivemind updates these very parameters in place
+
+    def finish(self) -> None:
+        pass  # nothing to bring up to date: there is no device copy
 
 
 def _training_loop(
@@ -352,9 +355,7 @@ def _training_loop(
     averaged_at_end = False
     if final_round and not stop:
         averaged_at_end = _average_final_parameters(optimizer, averaging_args.final_averaging_window)
-    compute.push_parameters()  # an XLA device copy ends with the final parameters too (a no-op elsewhere)
-    if not isinstance(compute, LocalCompute):
-        logger.info(f"device copy vs host parameters: max difference {compute.max_difference():.3g}")
+    compute.finish()  # an XLA device copy ends with the final parameters too
     result.final_step = optimizer.local_epoch
     # always written again at the end: a background round may have changed the parameters after the last save
     if result.steps or averaged_at_end:
@@ -457,7 +458,8 @@ def _finish_global_step(
         logger.warning(
             f"parameters became non-finite at step {optimizer.local_epoch}: rolling back to the last good state"
         )
-        optimizer.state_averager.step(wait_for_delayed_updates=True)
+        # every round still running lands first: one that landed after the restore would bring the bad values back
+        _apply_pending_updates(optimizer)
         good_state.restore()
     step = optimizer.local_epoch
     samples_per_second = float(optimizer.tracker.performance_ema.samples_per_second)

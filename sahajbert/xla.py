@@ -127,6 +127,11 @@ class SpmdReplica:
             device.copy_(host.detach().to(self.device))
         self._torch_xla.sync()
 
+    def finish(self) -> None:
+        """At the end of a run: the device copy takes the final (averaged) parameters, and the log shows they match."""
+        self.push_parameters()
+        logger.info(f"device copy vs host parameters: max difference {self.max_difference():.3g}")
+
     @torch.no_grad()
     def max_difference(self) -> float:
         """Largest absolute difference between the device copy and the host parameters (a consistency check)."""

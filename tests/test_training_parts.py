@@ -139,7 +139,7 @@ def test_schedule_follows_the_global_step_not_mini_steps(lonely_optimizer):
 
 
 def test_non_finite_parameters_roll_back_to_the_last_good_state(lonely_optimizer):
-    from sahajbert.training import LastGoodState
+    from sahajbert.training import LastGoodState, _finish_global_step
 
     model, optimizer = lonely_optimizer
     train_one_batch(model, optimizer)
@@ -150,7 +150,11 @@ def test_non_finite_parameters_roll_back_to_the_last_good_state(lonely_optimizer
     with torch.no_grad():
         next(model.parameters()).fill_(float("nan"))
     assert not good.parameters_finite()
-    good.restore()
+    # the trainer's own end-of-step check: it finds the NaN and restores the last good state
+    record = _finish_global_step(
+        optimizer, good, optimizer.dht, b"lonely-key", SwarmArguments(run_id="lonely"), 1.0, 1, 4, 8
+    )
+    assert record["step"] == optimizer.local_epoch
     assert good.parameters_finite()
     assert all(torch.equal(a, b) for a, b in zip(saved, model.parameters()))
     train_one_batch(model, optimizer)  # and training goes on from there

@@ -3,6 +3,7 @@
 Parsed with `transformers.HfArgumentParser`, so each script also accepts a single `.json` file of these fields.
 """
 
+import shlex
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -350,6 +351,14 @@ class EvaluationArguments:
     output_dir: str = field(default="outputs/evaluation", metadata={"help": "Runs, results.md and results.json."})
     ner_args: str = field(default="", metadata={"help": "Extra flags for every NER run, e.g. '--train_file ...'."})
     ncc_args: str = field(default="", metadata={"help": "Extra flags for every classification run."})
+
+    def __post_init__(self):
+        for name in ("ner_args", "ncc_args"):
+            text = getattr(self, name)
+            try:
+                shlex.split(text)
+            except ValueError as e:  # shlex's own message: "No closing quotation", "No escaped character"
+                raise ValueError(f"--{name} is not a valid command line ({str(e).lower()}): {text}") from e
 
 
 @dataclass

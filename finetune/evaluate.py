@@ -3,6 +3,7 @@
 
 import json
 import logging
+import shlex
 import sys
 from pathlib import Path
 
@@ -17,24 +18,25 @@ logger = logging.getLogger("evaluate")
 def main(argv=None) -> int:
     setup_logging()
     (args,) = parse_args((EvaluationArguments,), argv)
-    from sahajbert.finetuning import TASKS, markdown_table, run_task, split_args, summarize
+    from sahajbert.finetuning import TASKS, markdown_table, run_task, summarize
 
     unknown = sorted(set(args.tasks) - set(TASKS))
     if unknown:
         raise UserError(f"unknown task(s) {unknown}: use {', '.join(TASKS)}")
     output_dir = Path(args.output_dir)
-    runs = []
+    # every run's flags are parsed before the first run trains: a typo in --ncc_args must not wait for the NER runs
+    plan = []
     for model_index, model in enumerate(args.models):
         for task in args.tasks:
+            extra = shlex.split(args.ner_args if task == "ner" else args.ncc_args)
             for seed in args.seeds:
                 run_dir = output_dir / f"model{model_index}" / task / f"seed{seed}"
-                extra = split_args(args.ner_args if task == "ner" else args.ncc_args)
-                finetune_args, training_args = parse_args(
-                    (FinetuneArguments, FinetuneTrainingArguments),
-                    ["--model_name_or_path", model, "--seed", str(seed), "--output_dir", str(run_dir), *extra],
-                )
-                logger.info(f"{model} / {task} / seed {seed}")
-                runs.append(run_task(task, finetune_args, training_args))
+                flags = ["--model_name_or_path", model, "--seed", str(seed), "--output_dir", str(run_dir), *extra]
+                plan.append((model, task, seed, parse_args((FinetuneArguments, FinetuneTrainingArguments), flags)))
+    runs = []
+    for model, task, seed, (finetune_args, training_args) in plan:
+        logger.info(f"{model} / {task} / seed {seed}")
+        runs.append(run_task(task, finetune_args, training_args))
     table = summarize(runs)
     markdown = markdown_table(table, args.tasks)
     output_dir.mkdir(parents=True, exist_ok=True)

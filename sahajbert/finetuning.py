@@ -3,7 +3,6 @@
 import csv
 import json
 import logging
-import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -289,10 +288,6 @@ def run_task(task_name: str, finetune_args, training_args) -> dict:
     path.write_text(json.dumps(results, indent=2, ensure_ascii=False) + "\n")
     logger.info(f"{task.name} test {task.metric}: {results['test'][task.metric]:.4f} (written to {path})")
     return results
-
-
-def split_args(text: str) -> list[str]:
-    return shlex.split(text)
 
 
 TABLE_COLUMNS = {"ner": ("NER F1 (WikiANN bn)", "f1"), "ncc": ("News accuracy (sna.bn)", "accuracy")}

@@ -231,6 +231,23 @@ def test_bad_data_is_one_clear_line(tmp_path, script, files, content, message):
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize(
+    "ncc_args, message",
+    [
+        ("--seed 'oops", "--ncc_args is not a valid command line (no closing quotation)"),
+        ("--no_such_flag 1", "['--no_such_flag', '1']"),
+    ],
+)
+def test_evaluate_checks_every_runs_flags_before_training(tmp_path, ncc_args, message):
+    """A mistake in the classification flags is found before the NER runs (listed first) train anything."""
+    model = str(ROOT / "tokenizer" / "sample")  # never loaded: the flags fail first
+    out = tmp_path / "evaluation"
+    args = ["--models", model, "--output_dir", str(out), "--ner_args", " ".join(NER_FILES), "--ncc_args", ncc_args]
+    result = run_script("evaluate.py", args)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert not out.exists(), "no run may start before every run's flags are checked"
+
+
 def test_model_folder_without_tokenizer(tmp_path):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")

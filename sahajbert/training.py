@@ -354,7 +354,8 @@ def _training_loop(
     _apply_pending_updates(optimizer)  # a step or parameter round still running in the background
     averaged_at_end = False
     if final_round and not stop:
-        averaged_at_end = _average_final_parameters(optimizer, averaging_args.final_averaging_window)
+        last_step_peers = result.steps[-1]["peers"] if result.steps else 0
+        averaged_at_end = _average_final_parameters(optimizer, averaging_args.final_averaging_window, last_step_peers)
     compute.finish()  # an XLA device copy ends with the final parameters too
     result.final_step = optimizer.local_epoch
     # always written again at the end: a background round may have changed the parameters after the last save
@@ -388,7 +389,7 @@ def _should_stop(optimizer: hivemind.Optimizer, max_steps: int | None) -> bool:
     return scheduled is None or scheduled.done() or scheduled.stage != AveragingStage.AWAITING_TRIGGER
 
 
-def _average_final_parameters(optimizer: hivemind.Optimizer, window: float) -> bool:
+def _average_final_parameters(optimizer: hivemind.Optimizer, window: float, last_step_peers: int) -> bool:
     """One last parameter average among the trainers that stop at --max_steps; True if it averaged with others.
 
     With delayed updates every peer applies the run's last update after its loop ends, and a peer that stopped
@@ -397,11 +398,14 @@ def _average_final_parameters(optimizer: hivemind.Optimizer, window: float) -> b
     peer whose window ends first the leader and starts the all-reduce when it ends, so every peer that finishes
     within `window` seconds of the first joins one group. It matches under its own key, so it never pairs with a
     slower peer's regular round (one triggered late, after that peer's gradient round, gave the two peers different
-    partial results), and the last global step makes no regular parameter round at all. A peer that arrives after
-    the others left stops waiting as soon as the progress tracker shows no other peer.
+    partial results), and the last global step makes no regular parameter round at all.
+
+    Once started, the round always waits out its window. The progress tracker cannot tell whether another peer is
+    still coming: hivemind stops reporting a peer that caught up by downloading the state at the last step, so its
+    report expires while it waits in this very round (a netswarm run lost its final round that way, 6.3e-2 apart).
     """
-    if optimizer.tracker.global_progress.num_peers < 2:
-        return False  # nobody to agree with (the tracker counts the peers that reported progress recently)
+    if max(optimizer.tracker.global_progress.num_peers, last_step_peers) < 2:
+        return False  # alone now and at the last global step: nobody to agree with
     averager = optimizer.state_averager
     # a client-mode peer cannot lead a group, and a leader only takes followers whose own wait ends after its own:
     # a client waits twice the window, so that it can join a leader that arrives up to `window` after it
@@ -418,18 +422,15 @@ def _average_final_parameters(optimizer: hivemind.Optimizer, window: float) -> b
     # the group ends with one set of parameters, so it ends under one step label too: the highest gathered (a peer
     # whose labels lag one behind the swarm's took part in the same rounds); hivemind also moves the LR schedule
     averager.sync_epoch_when_averaging = True
-    # in the background, so that this peer can give up once it is alone; applied by the wait below
     averager.step(
         averaging_round=True, averaging_control=control, delay_averaging=True, averaging_opts={"timeout": timeout}
     )
-    while not control.done():
+    deadline = time.monotonic() + timeout + 5.0  # seconds: the round's own timeout ends it first
+    while not control.done() and time.monotonic() < deadline:
         time.sleep(0.5)
-        if control.stage == AveragingStage.LOOKING_FOR_GROUP and optimizer.tracker.global_progress.num_peers < 2:
-            control.cancel()
-            break
     _apply_pending_updates(optimizer)
-    if control.cancelled() or control.exception() is not None:
-        logger.info("no other peer was left for a final parameter round: this peer keeps those of its last round")
+    if not control.done() or control.cancelled() or control.exception() is not None:
+        logger.info("no other peer joined the final parameter round: this peer keeps those of its last round")
         return False
     steps = sorted(control.result().values())
     logger.info(f"final parameters averaged by {len(steps)} peers (their steps: {steps})")

@@ -37,7 +37,7 @@ lint: venv
 
 # the XLA tests (tests/test_xla.py) run the TPU path on four CPU XLA devices from $(TPU_VENV); here they must run
 test: lint venv-tpu
-	SAHAJBERT_REQUIRE_XLA=1 $(BIN)/python -m pytest -ra
+	SAHAJBERT_REQUIRE_XLA=1 $(BIN)/python -m pytest -ra --durations=15
 
 demo: venv
 	$(BIN)/python run_local_swarm.py

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sahajbert.checkpoints import latest_checkpoint  # noqa: E402
+from sahajbert.checkpoints import list_checkpoints  # noqa: E402
 from sahajbert.localswarm import PeerProcess, read_train_log, tiny_trainer_flags, wait_for  # noqa: E402
 
 SUBNET = "10.77.{}.{}"  # private addresses that exist only inside this benchmark's namespaces
@@ -313,10 +313,11 @@ def summarize(
     ]
     finals, final_steps = [], []
     for name in finishers:
-        checkpoint = latest_checkpoint(workdir / name)
-        if checkpoint is not None:
+        saved = list_checkpoints(workdir / name)
+        if saved:
+            step, checkpoint = saved[-1]
             finals.append(load_file(checkpoint / "model.safetensors"))
-            final_steps.append(int(checkpoint.name.split("-")[-1]))
+            final_steps.append(step)
     pairs = [(a[k], b[k]) for a, b in zip(finals, finals[1:]) for k in a]
     difference = max((float((a - b).abs().max()) for a, b in pairs), default=0.0)
     # the agreement criterion of the two-trainer test: |a - b| <= atol + rtol * |b| for every entry

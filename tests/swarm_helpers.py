@@ -24,10 +24,10 @@ def final_step(output_dir: Path) -> int:
     Its train log can end one or two steps lower: a peer whose labels lag the swarm's takes part in the same rounds
     and adopts the group's highest label only in that final round.
     """
-    from sahajbert.checkpoints import latest_checkpoint
+    from sahajbert.checkpoints import list_checkpoints
 
-    checkpoint = latest_checkpoint(output_dir)
-    return int(checkpoint.name.split("-")[-1]) if checkpoint is not None else 0
+    saved = list_checkpoints(output_dir)
+    return saved[-1][0] if saved else 0
 
 
 def kill_orphans(processes: list[psutil.Process]) -> None:

@@ -11,22 +11,25 @@ export HF_DATASETS_OFFLINE ?= 1
 export HF_HUB_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 
-.PHONY: venv venv-tpu test lint demo bench clean
+.PHONY: venv venv-tpu test test-fast lint demo bench clean
 
-$(BIN)/.installed: requirements.txt requirements-dev.txt
+# the package installs editable (pip install -e .): scripts, tests and benchmarks import `sahajbert` from anywhere
+$(BIN)/.installed: requirements.txt requirements-dev.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10) and "Python >= 3.10 is required")'
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -r requirements-dev.txt
+	$(BIN)/python -m pip install -q --no-deps -e .
 	touch $@
 
 venv: $(BIN)/.installed
 
-$(TPU_VENV)/bin/.installed: requirements.txt requirements-tpu.txt
+$(TPU_VENV)/bin/.installed: requirements.txt requirements-tpu.txt pyproject.toml
 	test -x $(TPU_VENV)/bin/python || $(PYTHON) -m venv $(TPU_VENV)
 	$(TPU_VENV)/bin/python -m pip install -q --upgrade pip
 	$(TPU_VENV)/bin/python -m pip install -q -r requirements-tpu.txt
+	$(TPU_VENV)/bin/python -m pip install -q --no-deps -e .
 	touch $@
 
 venv-tpu: $(TPU_VENV)/bin/.installed
@@ -35,9 +38,14 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# the XLA tests (tests/test_xla.py) run the TPU path on four CPU XLA devices from $(TPU_VENV); here they must run
+# the whole suite, what CI runs: the XLA tests (tests/test_xla.py) run the TPU path on four CPU XLA devices from
+# $(TPU_VENV), so here they must run
 test: lint venv-tpu
 	SAHAJBERT_REQUIRE_XLA=1 $(BIN)/python -m pytest -ra --durations=15
+
+# the unit tier for the edit loop: no swarm of processes, no TPU environment (a few minutes on 2 cores)
+test-fast: lint
+	$(BIN)/python -m pytest -q -m "not slow and not xla"
 
 demo: venv
 	$(BIN)/python run_local_swarm.py

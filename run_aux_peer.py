@@ -5,34 +5,16 @@ Monitors the swarm (log, wandb, dashboard), saves its state as checkpoints, uplo
 all-reduce without training, and can serve a saved state to rescue a run whose peers all left.
 """
 
-from arguments import (
-    AuxPeerArguments,
-    AveragingArguments,
-    CollaborativeOptimizerArguments,
-    CorpusArguments,
-    ModelArguments,
-    SwarmArguments,
-    TrainingArguments,
-)
+from sahajbert.arguments import AuxPeerArguments, PeerArguments
 from sahajbert.cli import parse_args, run, setup_logging
-
-ARGUMENTS = (
-    SwarmArguments,
-    AveragingArguments,
-    CollaborativeOptimizerArguments,
-    ModelArguments,
-    TrainingArguments,
-    CorpusArguments,
-    AuxPeerArguments,
-)
 
 
 def main(argv=None) -> int:
     setup_logging()
-    args = parse_args(ARGUMENTS, argv)
+    peer_args, aux_args = parse_args((PeerArguments, AuxPeerArguments), argv)
     from sahajbert.auxiliary import run_aux_peer
 
-    run_aux_peer(*args)
+    run_aux_peer(peer_args, aux_args)
     return 0
 
 

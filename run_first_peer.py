@@ -3,7 +3,7 @@
 
 import logging
 
-from arguments import SwarmArguments
+from sahajbert.arguments import SwarmArguments
 from sahajbert.cli import parse_args, run, setup_logging
 
 logger = logging.getLogger("first_peer")
@@ -13,8 +13,8 @@ def main(argv=None) -> int:
     setup_logging()
     (swarm_args,) = parse_args((SwarmArguments,), argv)
     from sahajbert.metrics import make_validators
+    from sahajbert.signals import StopRequest
     from sahajbert.swarm import build_dht, initial_peers_line
-    from sahajbert.training import StopRequest
 
     validators, _ = make_validators(swarm_args.run_id)  # the first peer stores and serves metrics: it validates too
     dht = build_dht(swarm_args, validators)

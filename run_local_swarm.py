@@ -6,10 +6,11 @@ import shutil
 import time
 from pathlib import Path
 
-from arguments import LocalSwarmArguments
+from sahajbert.arguments import LocalSwarmArguments
 from sahajbert.cli import parse_args, run, setup_logging
 
 logger = logging.getLogger("local_swarm")
+HERE = Path(__file__).resolve().parent  # the trainer and first-peer scripts beside this one
 
 
 def trainer_args(args: LocalSwarmArguments, initial_peers: list[str], index: int) -> list[str]:
@@ -29,15 +30,16 @@ def main(argv=None) -> int:
     from transformers import AlbertForPreTraining
 
     from sahajbert.checkpoints import latest_checkpoint
-    from sahajbert.localswarm import PeerProcess, read_train_log, start_first_peer
+    from sahajbert.localswarm import PeerProcess, start_first_peer
+    from sahajbert.train_log import read_train_log
 
     output_dir = Path(args.output_dir)
     shutil.rmtree(output_dir, ignore_errors=True)  # a demo starts from scratch every time
     started = time.monotonic()
-    first_peer, initial_peers = start_first_peer(output_dir, args.run_id)
+    first_peer, initial_peers = start_first_peer(HERE / "run_first_peer.py", output_dir, args.run_id)
     logger.info(f"first peer is up: --initial_peers {' '.join(initial_peers)}")
     trainers = [
-        PeerProcess("run_trainer.py", trainer_args(args, initial_peers, i), output_dir / f"trainer{i}.log")
+        PeerProcess(HERE / "run_trainer.py", trainer_args(args, initial_peers, i), output_dir / f"trainer{i}.log")
         for i in range(args.num_trainers)
     ]
     logger.info(f"started {len(trainers)} trainers; logs in {output_dir}/trainer*.log")
@@ -51,14 +53,14 @@ def main(argv=None) -> int:
         for process in [*trainers, first_peer]:
             process.stop()
     logs = [read_train_log(output_dir / f"trainer{i}") for i in range(args.num_trainers)]
-    first = sum(log[0]["loss"] for log in logs) / len(logs)
-    last = sum(log[-1]["loss"] for log in logs) / len(logs)
+    first = sum(log[0].loss for log in logs) / len(logs)
+    last = sum(log[-1].loss for log in logs) / len(logs)
     checkpoint = latest_checkpoint(output_dir / "trainer0")
     model = AlbertForPreTraining.from_pretrained(checkpoint)
     print("\n=== local swarm summary ===")
-    print(f"global steps:     {max(log[-1]['step'] for log in logs)}")
-    print(f"loss (per mini-step, mean of trainers): {first:.4f} at step {logs[0][0]['step']} -> {last:.4f} at the end")
-    print(f"peers seen:       {max(r['peers'] for log in logs for r in log)} trainers in one global step")
+    print(f"global steps:     {max(log[-1].step for log in logs)}")
+    print(f"loss (per mini-step, mean of trainers): {first:.4f} at step {logs[0][0].step} -> {last:.4f} at the end")
+    print(f"peers seen:       {max(r.peers for log in logs for r in log)} trainers in one global step")
     print(
         f"checkpoint:       {checkpoint} ({sum(p.numel() for p in model.parameters()):,} parameters, "
         "loads with AlbertForPreTraining.from_pretrained)"

@@ -6,54 +6,36 @@
 
 import sys
 
-from arguments import (
-    AveragingArguments,
-    CollaborativeOptimizerArguments,
-    CorpusArguments,
-    ModelArguments,
-    SwarmArguments,
-    TrainerScriptArguments,
-    TrainingArguments,
-)
+from sahajbert.arguments import PeerArguments, TrainerScriptArguments
 from sahajbert.cli import parse_args, run, setup_logging
 
-ARGUMENTS = (
-    SwarmArguments,
-    AveragingArguments,
-    CollaborativeOptimizerArguments,
-    ModelArguments,
-    TrainingArguments,
-    CorpusArguments,
-    TrainerScriptArguments,
-)
+ARGUMENTS = (PeerArguments, TrainerScriptArguments)
 
 
 def main(argv=None) -> int:
     setup_logging()
     argv = list(sys.argv[1:] if argv is None else argv)
-    swarm, averaging, optimizer, model, training, corpus, script = parse_args(ARGUMENTS, argv)
-    if script.auto_config:
+    peer_args, script_args = parse_args(ARGUMENTS, argv)
+    if script_args.auto_config:
         from sahajbert.devices import auto_configure, describe_device
 
-        device = describe_device(training.device)
+        device = describe_device(peer_args.training_args.device)
         hardware = auto_configure(device)
         print(f"auto config for {device.name}: {' '.join(hardware.as_flags())}", flush=True)
         # explicit flags come after the automatic ones, so they win
-        swarm, averaging, optimizer, model, training, corpus, script = parse_args(
-            ARGUMENTS, hardware.as_flags() + argv
-        )
-    if script.check:
+        peer_args, script_args = parse_args(ARGUMENTS, hardware.as_flags() + argv)
+    if script_args.check:
         from sahajbert.preflight import run_checks
 
-        checks = run_checks(swarm, training, model)
+        checks = run_checks(peer_args)
         print("\n".join(check.line() for check in checks), flush=True)
         failed = [check.name for check in checks if check.status == "fail"]
         summary = f"{len(checks) - len(failed)}/{len(checks)} checks passed"
         print(summary + (f"; failed: {', '.join(failed)}" if failed else ""), flush=True)
         return 1 if failed else 0
-    from sahajbert.training import train  # heavy imports after parsing, so --help and bad flags answer at once
+    from sahajbert.trainer import train  # heavy imports after parsing, so --help and bad flags answer at once
 
-    result = train(swarm, averaging, optimizer, model, training, corpus)
+    result = train(peer_args)
     print(
         f"trainer stopped at global step {result.final_step}"
         + (f"; checkpoint {result.checkpoint}" if result.checkpoint else "")

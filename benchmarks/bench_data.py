@@ -5,25 +5,18 @@ Both turn the same documents into the same kind of training-ready examples (SOP 
 token types, masked-LM labels from the same collator); they differ only in how often text is tokenized.
 """
 
+import argparse
 import os
+import time
+from pathlib import Path
 
-os.environ["RAYON_NUM_THREADS"] = "1"  # one core: set before `tokenizers` starts its thread pool
-os.environ["TOKENIZERS_PARALLELISM"] = "false"
+import numpy as np
+import torch
 
-import argparse  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from arguments import SAMPLE_FILES, SAMPLE_TOKENIZER  # noqa: E402
-from sahajbert.collators import PretrainingCollator  # noqa: E402
-from sahajbert.examples import PairBuilder, split_sentences  # noqa: E402
-from sahajbert.tokenization import load_tokenizer  # noqa: E402
+from sahajbert.collators import PretrainingCollator
+from sahajbert.examples import PairBuilder, split_sentences
+from sahajbert.samples import SAMPLE_FILES, SAMPLE_TOKENIZER
+from sahajbert.tokenization import load_tokenizer
 
 
 def ours(tokenizer, documents, max_seq_length, rng):
@@ -78,13 +71,16 @@ def measure(make_examples, tokenizer, documents, max_seq_length, batch_size, col
     return count, time.perf_counter() - start
 
 
-def main() -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20, help="passes over the bundled sample corpus")
     parser.add_argument("--max_seq_length", type=int, default=512, help="tokens per example")
     parser.add_argument("--batch_size", type=int, default=8, help="examples per collated batch")
     parser.add_argument("--trials", type=int, default=5, help="interleaved trials; the best time of each is kept")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    # one core: set before the first tokenization starts the `tokenizers` thread pool
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     torch.set_num_threads(1)
     tokenizer = load_tokenizer(SAMPLE_TOKENIZER)
     documents = [d for path in SAMPLE_FILES for d in Path(path).read_text(encoding="utf-8").split("\n\n") if d.strip()]
@@ -108,7 +104,8 @@ def main() -> None:
                 f"| {name} | {stage} | {count} | {seconds:.2f} | {count / seconds:.0f} | "
                 f"{count / seconds / baseline_rate:.2f}x |"
             )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -8,22 +8,22 @@ Each trainer is a real process; every process shares this machine's cores, so 2 
 """
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
+from sahajbert.collators import PretrainingCollator
+from sahajbert.localswarm import PeerProcess, start_first_peer, tiny_trainer_flags
+from sahajbert.model import build_model
+from sahajbert.optim import Lamb, parameter_groups
+from sahajbert.samples import SAMPLE_FILES, SAMPLE_TOKENIZER
+from sahajbert.stream import Prefetcher, batched, iterate_examples
+from sahajbert.tokenization import load_tokenizer
+from sahajbert.train_log import read_train_log
 
-from arguments import SAMPLE_FILES, SAMPLE_TOKENIZER  # noqa: E402
-from sahajbert.collators import PretrainingCollator  # noqa: E402
-from sahajbert.localswarm import PeerProcess, read_train_log, start_first_peer, tiny_trainer_flags  # noqa: E402
-from sahajbert.model import build_model  # noqa: E402
-from sahajbert.optim import Lamb, parameter_groups  # noqa: E402
-from sahajbert.stream import Prefetcher, batched, iterate_examples  # noqa: E402
-from sahajbert.tokenization import load_tokenizer  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]  # the first-peer and trainer scripts
 
 
 def plain_loop(args, threads: int) -> float:
@@ -55,7 +55,7 @@ def plain_loop(args, threads: int) -> float:
 def swarm(args, workdir: Path, peers: int) -> tuple[float, float]:
     """(samples/s of one trainer, seconds per global step) for `peers` trainers, measured after step 1."""
     run_id = f"bench{peers}"
-    first_peer, initial_peers = start_first_peer(workdir / run_id, run_id)
+    first_peer, initial_peers = start_first_peer(REPO / "run_first_peer.py", workdir / run_id, run_id)
     trainers = []
     try:
         for i in range(peers):
@@ -70,7 +70,7 @@ def swarm(args, workdir: Path, peers: int) -> tuple[float, float]:
             )
             trainers.append(
                 PeerProcess(
-                    "run_trainer.py",
+                    REPO / "run_trainer.py",
                     ["--run_id", run_id, "--initial_peers", *initial_peers, *flags],
                     workdir / run_id / f"trainer{i}.log",
                 )
@@ -82,12 +82,12 @@ def swarm(args, workdir: Path, peers: int) -> tuple[float, float]:
         for process in [*trainers, first_peer]:
             process.stop()
     log = read_train_log(workdir / run_id / "trainer0")
-    measured = [r for r in log if r["step"] > 1]  # step 1 includes start-up and the first matchmaking
-    seconds = measured[-1]["time"] - log[0]["time"]
-    return sum(r["samples"] for r in measured) / seconds, seconds / len(measured)
+    measured = [r for r in log if r.step > 1]  # step 1 includes start-up and the first matchmaking
+    seconds = measured[-1].time - log[0].time
+    return sum(r.samples for r in measured) / seconds, seconds / len(measured)
 
 
-def main() -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny", help="model preset")
     parser.add_argument("--max_seq_length", type=int, default=128, help="tokens per example")
@@ -96,7 +96,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="global steps per swarm run")
     parser.add_argument("--batches", type=int, default=150, help="measured batches of the plain loop")
     parser.add_argument("--warmup", type=int, default=5, help="unmeasured batches of the plain loop")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         plain = plain_loop(args, threads=1)  # each trainer process also computes with one thread
         alone, step_1 = swarm(args, Path(tmp), peers=1)
@@ -110,7 +110,8 @@ def main() -> None:
     print(f"| one trainer alone in its swarm, samples/s | {alone:.1f} | {alone / plain:.2f} |")
     print(f"| seconds per global step, 1 peer | {step_1:.2f} | 1.00 |")
     print(f"| seconds per global step, 2 peers | {step_2:.2f} | {step_2 / step_1:.2f} |")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -7,7 +7,8 @@ hub side with `tc`: netem for latency and bandwidth where the kernel has sch_net
 for latency, benchmarks/delayswitch.py, a userspace switch in the hub that holds each frame for the link latency
 (it needs ethtool, to switch the veths' offloads off). The round trip between peers is measured and printed. It runs
 a first peer, N trainers (the last in client mode, as a firewalled volunteer) and optionally an aux peer that
-assists averaging, kills one trainer and starts a new one every --churn_every seconds, and prints one table per run.
+assists averaging, kills one trainer and starts a new one every --churn_every seconds (or every
+--churn_every_steps global steps of the swarm), and prints one table per run.
 Everything it created (namespaces, veths, processes) is removed on exit, on Ctrl+C and on failure.
 """
 
@@ -24,10 +25,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from sahajbert.checkpoints import list_checkpoints
+from sahajbert.localswarm import PeerProcess, tiny_trainer_flags, wait_for
+from sahajbert.train_log import read_train_log
 
-from sahajbert.checkpoints import list_checkpoints  # noqa: E402
-from sahajbert.localswarm import PeerProcess, read_train_log, tiny_trainer_flags, wait_for  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]  # the scripts each namespace runs
 
 SUBNET = "10.77.{}.{}"  # private addresses that exist only inside this benchmark's namespaces
 AGREEMENT_ATOL, AGREEMENT_RTOL = 2e-3, 1e-2  # fp16-compressed averaging keeps peers this close
@@ -128,7 +130,7 @@ class Network:
             return
         ports = [item for port, ms in self.ports.items() for item in ("--port", f"{port}:{ms}")]
         self.switch = PeerProcess(
-            "benchmarks/delayswitch.py",
+            REPO / "benchmarks" / "delayswitch.py",
             ports,
             self.log_dir / "delayswitch.log",
             wrapper=["ip", "netns", "exec", self.hub],
@@ -214,7 +216,7 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
         first_host = net.add_host(0, shaped=False)  # the organizer's first peer: a well-connected server
         aux_host = net.add_host(1) if args.aux else None
         # a replacement after churn is another volunteer: its own namespace and address, made before the switch starts
-        joiners = args.churn_events if args.churn_every else 0
+        joiners = args.churn_events if args.churn_every or args.churn_every_steps else 0
         hosts = {2 + i: net.add_host(2 + i) for i in range(args.trainers + joiners)}
         net.start()
         # measured, not assumed: the round trip between the first two trainers' namespaces
@@ -222,7 +224,7 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
         print(f"round trip between trainer hosts: {rtt_ms:.1f} ms", flush=True)
         ns, ip = first_host
         first = PeerProcess(
-            "run_first_peer.py",
+            REPO / "run_first_peer.py",
             ["--run_id", run_id, "--host_maddrs", f"/ip4/{ip}/tcp/31337"],
             workdir / "first_peer.log",
             wrapper=["ip", "netns", "exec", ns],
@@ -239,14 +241,16 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
             aux_flags = trainer_args(args, run_id, initial_peers, ip, workdir / "aux", False)
             aux_flags += ["--assist_in_averaging", "--refresh_period", "2", "--checkpoint_every", "1000"]
             processes.append(
-                PeerProcess("run_aux_peer.py", aux_flags, workdir / "aux.log", wrapper=["ip", "netns", "exec", ns])
+                PeerProcess(
+                    REPO / "run_aux_peer.py", aux_flags, workdir / "aux.log", wrapper=["ip", "netns", "exec", ns]
+                )
             )
 
         def start_trainer(index: int, client: bool) -> str:
             name = f"trainer{len(trainers)}"
             ns, ip = hosts[index]
             trainers[name] = PeerProcess(
-                "run_trainer.py",
+                REPO / "run_trainer.py",
                 trainer_args(args, run_id, initial_peers, ip, workdir / name, client),
                 workdir / f"{name}.log",
                 wrapper=["ip", "netns", "exec", ns],
@@ -259,10 +263,15 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
             start_trainer(2 + i, client=i == args.trainers - 1 and args.trainers >= 3)
         start_bytes = {ns: net.tx_bytes(ns) for ns, _ in hosts.values()}
         started, next_churn, churn_slot = time.time(), time.time() + args.churn_every, 0
+        next_churn_step = args.churn_every_steps
         while any(p.running() for p in trainers.values()):
             if time.time() - started > args.timeout:
                 raise TimeoutError(f"the scenario did not finish in {args.timeout} s")
-            if args.churn_every and time.time() >= next_churn and len(kills) < args.churn_events:
+            swarm_step = max((r.step for name in trainers for r in read_train_log(workdir / name)[-1:]), default=0)
+            due = (args.churn_every and time.time() >= next_churn) or (
+                args.churn_every_steps and swarm_step >= next_churn_step
+            )
+            if due and len(kills) < args.churn_events:
                 alive = [name for name, p in trainers.items() if p.running()]
                 victim = alive[churn_slot % len(alive)]
                 trainers[victim].kill()
@@ -270,6 +279,7 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
                 name = start_trainer(2 + args.trainers + len(kills) - 1, client=False)
                 churn_slot += 1
                 next_churn = time.time() + args.churn_every
+                next_churn_step = swarm_step + args.churn_every_steps
                 print(f"churn: killed {victim}, started {name} on a new host", flush=True)
             time.sleep(1)
         sent = sum(net.tx_bytes(ns) - start_bytes[ns] for ns, _ in hosts.values())
@@ -288,11 +298,11 @@ def summarize(
 ) -> dict:
     logs = {name: read_train_log(workdir / name) for name in trainers}
     records = [r for log in logs.values() for r in log]
-    steps = sorted({r["step"] for r in records})
-    times = {s: min(r["time"] for r in records if r["step"] == s) for s in steps}
+    steps = sorted({r.step for r in records})
+    times = {s: min(r.time for r in records if r.step == s) for s in steps}
     duration = times[steps[-1]] - times[steps[0]]
     step_seconds = duration / max(1, len(steps) - 1)
-    compute = sum(r.get("compute_seconds", 0.0) for r in records) / max(1, len(records))
+    compute = sum(r.compute_seconds for r in records) / max(1, len(records))
     failed_rounds = sum(
         len(re.findall(r"Averaging (gradients )?failed with", (workdir / f"{n}.log").read_text())) for n in trainers
     )
@@ -300,9 +310,9 @@ def summarize(
     for kill_time in kills:  # the step in progress at the kill: the victim's samples counted but never applied
         step = next((s for s in steps if times[s] > kill_time), None)
         if step is not None:
-            applied = sum(r["samples"] for r in records if r["step"] == step)
+            applied = sum(r.samples for r in records if r.step == step)
             lost += max(0, args.target_batch_size - applied)
-    peers = sum(r["peers"] for r in records) / max(1, len(records))
+    peers = sum(r.peers for r in records) / max(1, len(records))
     parameters = {"tiny": 124_530}.get(args.model, 0)
     from safetensors.torch import load_file
 
@@ -394,6 +404,12 @@ def main(argv=None) -> int:
     parser.add_argument("--aux", action="store_true", help="add an aux peer that assists averaging")
     parser.add_argument("--trainers", type=int, default=3, help="trainer peers (from 3 on, the last in client mode)")
     parser.add_argument("--churn_every", type=float, default=0.0, help="seconds between churn events (0: none)")
+    parser.add_argument(
+        "--churn_every_steps",
+        type=int,
+        default=0,
+        help="global steps of the swarm between churn events (0: none); unlike seconds, the same on any machine",
+    )
     parser.add_argument("--churn_events", type=int, default=1, help="most churn events in the run")
     parser.add_argument("--max_steps", type=int, default=12, help="global steps the run trains for")
     parser.add_argument("--target_batch_size", type=int, default=384, help="samples per global step")
@@ -424,13 +440,18 @@ def main(argv=None) -> int:
         "on these links the last one can finish ~10 s after the first (a next_chunk_timeout)",
     )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before the scenario is abandoned")
-    parser.add_argument("--quick", action="store_true", help="the smallest scenario: 2 trainers, one churn event")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="the smallest scenario: 2 trainers, one churn event at the swarm's step 3 of 8",
+    )
     parser.add_argument("--output_json", default=None, help="also write the results to this JSON file")
     parser.add_argument("--lockstep", action="store_true", help="trainers without delayed updates (DPU off)")
     parser.add_argument("--keep_logs", default=None, help="copy every peer's log and train log to this folder")
     args = parser.parse_args(argv)
     if args.quick:
-        args.trainers, args.max_steps, args.churn_every, args.churn_events = 2, 8, 20.0, 1
+        # churn at the swarm's step 3 of 8: global steps after it, whatever the machine's speed
+        args.trainers, args.max_steps, args.churn_every_steps, args.churn_events = 2, 8, 3, 1
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
         print("error: netswarm.py needs root and iproute2 (ip, tc) to build network namespaces", file=sys.stderr)
         return 2

@@ -3,16 +3,12 @@
 
 import itertools
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere: the repo root holds the library
-
-from arguments import CorpusArguments, PreviewArguments  # noqa: E402
-from sahajbert.cli import parse_args, run, setup_logging  # noqa: E402
-from sahajbert.collators import IGNORE_INDEX, PretrainingCollator  # noqa: E402
-from sahajbert.stream import iterate_examples  # noqa: E402
-from sahajbert.tokenization import load_tokenizer  # noqa: E402
+from sahajbert.arguments import CorpusArguments, PreviewArguments
+from sahajbert.cli import parse_args, run, setup_logging
+from sahajbert.collators import IGNORE_INDEX, PretrainingCollator
+from sahajbert.stream import iterate_examples
+from sahajbert.tokenization import load_tokenizer
 
 
 def main(argv=None) -> int:

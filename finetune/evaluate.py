@@ -4,13 +4,10 @@
 import json
 import logging
 import shlex
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere: the repo root holds the library
-
-from arguments import EvaluationArguments, FinetuneArguments, FinetuneTrainingArguments  # noqa: E402
-from sahajbert.cli import UserError, parse_args, run, setup_logging  # noqa: E402
+from sahajbert.arguments import EvaluationArguments, FinetuneArguments, FinetuneTrainingArguments
+from sahajbert.cli import UserError, parse_args, run, setup_logging
 
 logger = logging.getLogger("evaluate")
 

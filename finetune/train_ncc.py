@@ -1,13 +1,8 @@
 #!/usr/bin/env python
 """Fine-tune on Bengali news classification (IndicGLUE sna.bn, or local CSV/JSONL files): accuracy, macro-F1."""
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere: the repo root holds the library
-
-from arguments import FinetuneArguments, FinetuneTrainingArguments  # noqa: E402
-from sahajbert.cli import parse_args, run, setup_logging  # noqa: E402
+from sahajbert.arguments import FinetuneArguments, FinetuneTrainingArguments
+from sahajbert.cli import parse_args, run, setup_logging
 
 
 def main(argv=None) -> int:

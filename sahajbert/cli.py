@@ -28,15 +28,23 @@ def setup_logging(level: int = logging.INFO) -> None:
 
 
 def parse_args(dataclass_types: Sequence[type], argv: Sequence[str] | None = None) -> tuple:
-    """Parse flags (or one `.json` file) into the given argument dataclasses; validation errors become UserError."""
-    parser = HfArgumentParser(dataclass_types)
+    """Parse flags (or one `.json` file) into the given argument dataclasses; validation errors become UserError.
+
+    A composite such as `PeerArguments` stands for its GROUPS: their flags are parsed, and it is built from them.
+    """
+    flat = [group for t in dataclass_types for group in getattr(t, "GROUPS", (t,))]
+    parser = HfArgumentParser(flat)
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if len(argv) == 1 and argv[0].endswith(".json"):
-            return parser.parse_json_file(json_file=Path(argv[0]).resolve())
-        return parser.parse_args_into_dataclasses(args=argv)
+            parsed = iter(parser.parse_json_file(json_file=Path(argv[0]).resolve()))
+        else:
+            parsed = iter(parser.parse_args_into_dataclasses(args=argv))
     except (ValueError, TypeError) as e:
         raise UserError(str(e)) from e
+    return tuple(
+        t(*(next(parsed) for _ in t.GROUPS)) if hasattr(t, "GROUPS") else next(parsed) for t in dataclass_types
+    )
 
 
 def run(main: Callable[[], int | None]) -> None:

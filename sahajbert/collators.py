@@ -1,11 +1,33 @@
 """Batch collation for ALBERT pretraining: padding plus whole-word or token masked-LM masking (80/10/10)."""
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 IGNORE_INDEX = -100  # labels at unmasked positions; torch's cross-entropy skips them
+
+
+@dataclass(frozen=True)
+class MaskingVocabulary:
+    """What masking needs to know of the tokenizer's vocabulary."""
+
+    word_starts: np.ndarray  # bool per token id: the piece starts a word (▁-prefixed)
+    pad_token_id: int
+    mask_token_id: int
+    replacement_ids: np.ndarray  # what a random replacement draws from: every id but the special tokens
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer) -> "MaskingVocabulary":
+        from sahajbert.tokenization import word_start_table
+
+        return cls(
+            word_starts=np.asarray(word_start_table(tokenizer), dtype=bool),
+            pad_token_id=tokenizer.pad_token_id,
+            mask_token_id=tokenizer.mask_token_id,
+            replacement_ids=np.setdiff1d(np.arange(len(tokenizer)), np.asarray(tokenizer.all_special_ids)),
+        )
 
 
 class PretrainingCollator:
@@ -17,11 +39,7 @@ class PretrainingCollator:
 
     def __init__(
         self,
-        word_starts: Sequence[bool],
-        pad_token_id: int,
-        mask_token_id: int,
-        vocab_size: int,
-        special_ids: Sequence[int],
+        vocabulary: MaskingVocabulary,
         mlm_probability: float = 0.15,
         whole_word_masking: bool = True,
         pad_to_multiple_of: int | None = None,
@@ -29,26 +47,16 @@ class PretrainingCollator:
     ):
         if not 0.0 < mlm_probability < 1.0:
             raise ValueError(f"mlm_probability must be in (0, 1), got {mlm_probability}")
-        self.word_starts = np.asarray(word_starts, dtype=bool)
-        self.pad_token_id, self.mask_token_id, self.vocab_size = pad_token_id, mask_token_id, vocab_size
-        # random replacements never draw a special token
-        self.replacement_ids = np.setdiff1d(np.arange(vocab_size), np.asarray(special_ids))
+        self.word_starts = vocabulary.word_starts
+        self.pad_token_id, self.mask_token_id = vocabulary.pad_token_id, vocabulary.mask_token_id
+        self.replacement_ids = vocabulary.replacement_ids
         self.mlm_probability, self.whole_word_masking = mlm_probability, whole_word_masking
         self.pad_to_multiple_of = pad_to_multiple_of
         self.rng = np.random.default_rng(seed)
 
     @classmethod
     def from_tokenizer(cls, tokenizer, **kwargs) -> "PretrainingCollator":
-        from sahajbert.tokenization import word_start_table
-
-        return cls(
-            word_start_table(tokenizer),
-            pad_token_id=tokenizer.pad_token_id,
-            mask_token_id=tokenizer.mask_token_id,
-            vocab_size=len(tokenizer),
-            special_ids=tokenizer.all_special_ids,
-            **kwargs,
-        )
+        return cls(MaskingVocabulary.from_tokenizer(tokenizer), **kwargs)
 
     def choose_positions(self, input_ids: np.ndarray, special: np.ndarray) -> np.ndarray:
         """Boolean mask of the positions to predict in one unpadded sequence."""

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sahajbert import xla
 from sahajbert.cli import UserError
 
 
@@ -18,10 +19,9 @@ class DeviceInfo:
 
 def describe_device(requested: str = "auto") -> DeviceInfo:
     """Detect the device to use: a TPU host's cores, else CUDA when present (or asked for), else the CPU."""
-    from sahajbert import xla  # a light module: torch_xla itself is imported only when the TPU path is taken
-
     if requested == "tpu" or (requested == "auto" and xla.on_tpu_host()):
-        return xla.describe()
+        name, cores = xla.spmd_devices()
+        return DeviceInfo("tpu", name, cores=cores)
     if requested == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda was asked for, but PyTorch sees no CUDA GPU; use --device cpu")
     if requested in ("auto", "cuda") and torch.cuda.is_available():

@@ -1,6 +1,8 @@
-"""Peers as local processes on 127.0.0.1: the demo swarm, the benchmarks and the integration tests use this."""
+"""Peers as local processes on 127.0.0.1: the demo swarm, the benchmarks and the integration tests use this.
 
-import json
+Callers name the repository's scripts by path (the package does not know where a checkout keeps them).
+"""
+
 import os
 import signal
 import subprocess
@@ -10,7 +12,7 @@ from pathlib import Path
 
 import psutil
 
-from sahajbert.samples import REPO_ROOT, SAMPLE_FILES, SAMPLE_TOKENIZER
+from sahajbert.samples import SAMPLE_FILES, SAMPLE_TOKENIZER
 
 LOOPBACK = ["--host_maddrs", "/ip4/127.0.0.1/tcp/0"]
 
@@ -66,19 +68,24 @@ class PeerProcess:
     """One of this repository's scripts running as its own process, output captured to `log_path`."""
 
     def __init__(
-        self, script: str, args: list[str], log_path: Path, python: str = sys.executable, wrapper: list[str] = ()
+        self,
+        script: str | Path,
+        args: list[str],
+        log_path: Path,
+        python: str = sys.executable,
+        wrapper: list[str] = (),
     ):
-        """`wrapper` prefixes the command, e.g. ["ip", "netns", "exec", "ns1"] to run the peer in a namespace."""
+        """`script`: the script's path; `wrapper` prefixes the command, e.g. ["ip", "netns", "exec", "ns1"] to run
+        the peer in a namespace. The peer runs in the caller's working directory."""
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "w")
         # its own session: the peer and everything it starts (hivemind's processes, p2pd) form one process group
         self.process = subprocess.Popen(
-            [*wrapper, python, str(REPO_ROOT / script), *args],
+            [*wrapper, python, str(script), *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=peer_env(),
-            cwd=REPO_ROOT,
             start_new_session=True,
         )
 
@@ -136,9 +143,9 @@ def wait_for(condition, timeout: float, what: str, interval: float = 0.5):
     raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def start_first_peer(log_dir: Path, run_id: str, extra: list[str] = ()) -> tuple[PeerProcess, list[str]]:
-    """Start run_first_peer.py on loopback and return it with the multiaddrs others join through."""
-    peer = PeerProcess("run_first_peer.py", ["--run_id", run_id, *LOOPBACK, *extra], Path(log_dir) / "first_peer.log")
+def start_first_peer(script: str | Path, log_dir: Path, run_id: str) -> tuple[PeerProcess, list[str]]:
+    """Start `script` (run_first_peer.py) on loopback and return it with the multiaddrs others join through."""
+    peer = PeerProcess(script, ["--run_id", run_id, *LOOPBACK], Path(log_dir) / "first_peer.log")
 
     def address():
         for line in peer.output().splitlines():
@@ -149,11 +156,3 @@ def start_first_peer(log_dir: Path, run_id: str, extra: list[str] = ()) -> tuple
         return None
 
     return peer, wait_for(address, 60, "the first peer's --initial_peers line")
-
-
-def read_train_log(output_dir: Path) -> list[dict]:
-    """A trainer's per-global-step records (train_log.jsonl), oldest first."""
-    path = Path(output_dir) / "train_log.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

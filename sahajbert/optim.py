@@ -17,6 +17,8 @@ from hivemind.compression import (
 )
 from transformers import get_linear_schedule_with_warmup
 
+from sahajbert.arguments import PeerArguments
+
 
 class Lamb(torch.optim.Optimizer):
     """LAMB (You et al., 2019) with bias correction and a clamped weight norm, as sahajBERT used it."""
@@ -101,10 +103,7 @@ def lr_at_step(step: int, peak: float, warmup_steps: int, total_steps: int) -> f
 def build_collaborative_optimizer(
     model: torch.nn.Module,
     dht: hivemind.DHT,
-    swarm_args,
-    averaging_args,
-    optimizer_args,
-    training_args,
+    peer_args: PeerArguments,
     auxiliary: bool = False,
     batch_size_per_step: int | None = None,
 ) -> hivemind.Optimizer:
@@ -112,7 +111,9 @@ def build_collaborative_optimizer(
 
     `batch_size_per_step`: samples one optimizer.step() reports (default: batch x accumulation on one device).
     """
-    optimizer = partial(
+    swarm_args, averaging_args = peer_args.swarm_args, peer_args.averaging_args
+    optimizer_args, training_args = peer_args.optimizer_args, peer_args.training_args
+    lamb = partial(
         Lamb,
         lr=training_args.learning_rate,
         betas=(training_args.adam_beta1, training_args.adam_beta2),
@@ -139,7 +140,7 @@ def build_collaborative_optimizer(
         run_id=swarm_args.run_id,
         target_batch_size=optimizer_args.target_batch_size - optimizer_args.batch_size_lead,
         batch_size_per_step=batch_size_per_step,
-        optimizer=optimizer,
+        optimizer=lamb,
         params=parameter_groups(model, training_args.weight_decay),
         scheduler=scheduler,
         matchmaking_time=averaging_args.matchmaking_time,

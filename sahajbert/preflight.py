@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from sahajbert.arguments import PeerArguments
 from sahajbert.cli import UserError
 
-REQUIREMENTS = Path(__file__).resolve().parents[1] / "requirements.txt"
+DISTRIBUTION = "sahajbert-collab"  # this project's name on pip: its metadata holds requirements.txt's ranges
 WANTED_OPEN_FILES = (
     16_384  # hivemind keeps many sockets open; the common default of 1024 runs out ("too many open files")
 )
@@ -49,15 +50,14 @@ def check_open_files() -> Check:
 
 
 def check_versions(packages=("torch", "transformers", "hivemind", "datasets", "tokenizers")) -> Check:
-    """Installed versions against the ranges in requirements.txt (the ones the tests run with)."""
+    """Installed versions against the ranges this project declares (requirements.txt, the ones the tests run with)."""
     from packaging.requirements import Requirement
 
-    wanted = {}
-    for line in REQUIREMENTS.read_text().splitlines():
-        line = line.split("#")[0].strip()
-        if line:
-            requirement = Requirement(line)
-            wanted[requirement.name.lower()] = requirement
+    try:
+        declared = metadata.requires(DISTRIBUTION) or []
+    except metadata.PackageNotFoundError:
+        return Check("versions", "fail", f"{DISTRIBUTION} is not installed", "pip install -e . (from the checkout)")
+    wanted = {requirement.name.lower(): requirement for requirement in map(Requirement, declared)}
     problems, found = [], []
     for name in packages:
         try:
@@ -69,7 +69,7 @@ def check_versions(packages=("torch", "transformers", "hivemind", "datasets", "t
         if name in wanted and not wanted[name].specifier.contains(version, prereleases=True):
             problems.append(f"{name} {version} not in {wanted[name].specifier}")
     if problems:
-        return Check("versions", "fail", "; ".join(problems), f"pip install -r {REQUIREMENTS.name}")
+        return Check("versions", "fail", "; ".join(problems), "pip install -r requirements.txt")
     return Check("versions", "ok", ", ".join(found))
 
 
@@ -108,8 +108,9 @@ def _public(address: str) -> bool:
     return not (ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_unspecified)
 
 
-def run_checks(swarm_args, training_args, model_args) -> list[Check]:
+def run_checks(peer_args: PeerArguments) -> list[Check]:
     """All checks, in the order a volunteer would fix them."""
+    swarm_args, training_args = peer_args.swarm_args, peer_args.training_args
     import hivemind
 
     from sahajbert.swarm import build_dht, validate_initial_peers
@@ -117,7 +118,7 @@ def run_checks(swarm_args, training_args, model_args) -> list[Check]:
     checks = [
         check_versions(),
         check_open_files(),
-        check_disk(training_args.output_dir, model_args.model, training_args.keep_checkpoints),
+        check_disk(training_args.output_dir, peer_args.model_args.model, training_args.keep_checkpoints),
     ]
     try:
         validate_initial_peers(swarm_args.initial_peers)

@@ -1,7 +1,12 @@
-"""Paths of what the repository ships for offline use: the Bengali sample corpus and the tokenizer trained on it."""
+"""What the package ships for offline use: a Bengali sample corpus and the 2,000-piece tokenizer trained on it.
 
+Both are package data (`sahajbert/sample_data/`), so they are found wherever the package is installed. The demo,
+the tiny preset's tests and the benchmarks train on them; real runs stream the Hub corpus and use the real tokenizer.
+"""
+
+from importlib.resources import files
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-SAMPLE_TOKENIZER = REPO_ROOT / "tokenizer" / "sample"
-SAMPLE_FILES = [str(REPO_ROOT / "data" / "sample" / "bn_wiki.txt"), str(REPO_ROOT / "data" / "sample" / "bn_web.txt")]
+SAMPLE_DATA = Path(str(files("sahajbert") / "sample_data"))
+SAMPLE_TOKENIZER = SAMPLE_DATA / "tokenizer"
+SAMPLE_FILES = [str(SAMPLE_DATA / "corpus" / "bn_wiki.txt"), str(SAMPLE_DATA / "corpus" / "bn_web.txt")]

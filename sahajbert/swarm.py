@@ -5,6 +5,8 @@ import logging
 import hivemind
 from hivemind.utils.multiaddr import Multiaddr
 
+from sahajbert import metrics
+from sahajbert.arguments import SwarmArguments
 from sahajbert.cli import UserError
 
 logger = logging.getLogger(__name__)
@@ -24,7 +26,9 @@ def validate_initial_peers(peers: list[str]) -> list[str]:
     return list(peers)
 
 
-def build_dht(swarm_args, record_validators=(), initial_peers: list[str] | None = None) -> hivemind.DHT:
+def build_dht(
+    swarm_args: SwarmArguments, record_validators=(), initial_peers: list[str] | None = None
+) -> hivemind.DHT:
     """Start this peer's DHT node; an unreachable swarm is a UserError after --join_timeout seconds."""
     peers = validate_initial_peers(swarm_args.initial_peers if initial_peers is None else initial_peers)
     try:
@@ -53,3 +57,28 @@ def initial_peers_line(dht: hivemind.DHT) -> str:
     maddrs = [str(m) for m in dht.get_visible_maddrs()]
     maddrs.sort(key=lambda m: ("/127.0.0.1/" in m or "/::1/" in m, m))
     return "--initial_peers " + " ".join(maddrs)
+
+
+class SwarmPeer:
+    """What a trainer and the aux peer share: a DHT node and a hivemind optimizer, and leaving the swarm cleanly.
+
+    Use as a context manager: `close()` shuts down the optimizer's averagers, then the DHT and its p2p daemon.
+    """
+
+    optimizer: hivemind.Optimizer | None = None
+
+    def _join(self, swarm_args: SwarmArguments) -> None:
+        """Start this peer's DHT node with the run's record validators (its metrics are signed with its key)."""
+        validators, self.public_key = metrics.make_validators(swarm_args.run_id)
+        self.dht = build_dht(swarm_args, validators)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.shutdown()
+        self.dht.shutdown()

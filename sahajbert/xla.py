@@ -9,7 +9,7 @@ Shapes are fixed (the collator pads every batch to max_seq_length), so the step 
 is reported with a warning, since each one costs seconds to minutes on a TPU.
 
 torch_xla is imported only inside these functions: the rest of the suite runs without it, and SPMD must be switched
-on (`use_spmd()`) before the first XLA tensor exists, which `describe()` does first thing.
+on (`use_spmd()`) before the first XLA tensor exists, which `spmd_devices()` does first thing.
 """
 
 import copy
@@ -22,7 +22,6 @@ from contextlib import nullcontext
 import torch
 
 from sahajbert.cli import UserError
-from sahajbert.devices import DeviceInfo
 
 logger = logging.getLogger(__name__)
 INSTALL = "pip install -r requirements-tpu.txt (torch_xla 2.9 and the torch 2.9 it is built for)"
@@ -40,8 +39,8 @@ def on_tpu_host() -> bool:
     return os.environ.get("PJRT_DEVICE") == "TPU" or bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
-def describe() -> DeviceInfo:
-    """Switch on SPMD and describe this host's XLA devices; one clear line if torch_xla is missing."""
+def spmd_devices() -> tuple[str, int]:
+    """Switch on SPMD and name this host's XLA devices: (name, count); one clear line if torch_xla is missing."""
     if not available():
         raise UserError(f"--device tpu needs torch_xla, which is not installed here: {INSTALL}")
     import torch_xla.runtime as xr
@@ -50,11 +49,14 @@ def describe() -> DeviceInfo:
         xr.use_spmd()  # before any XLA tensor exists: afterwards the runtime cannot switch to SPMD
     kind = xr.device_type()
     cores = xr.global_runtime_device_count()
-    return DeviceInfo("tpu", f"XLA {kind} x{cores}", cores=cores)
+    return f"XLA {kind} x{cores}", cores
 
 
 class SpmdReplica:
-    """The device copy of the host model; computes a data-parallel pass over all cores and returns gradients."""
+    """The device copy of the host model; computes a data-parallel pass over all cores and returns gradients.
+
+    A `sahajbert.compute.Compute` backend.
+    """
 
     def __init__(self, host_model: torch.nn.Module, dtype: torch.dtype | None):
         import numpy as np

@@ -1,18 +1,15 @@
 """Shared fixtures: the bundled sample corpus and a tokenizer trained in-process on it."""
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from sahajbert.samples import SAMPLE_FILES
+
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # nothing in the tests may need the network
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
-
-from sahajbert.samples import SAMPLE_FILES  # noqa: E402 (after the path setup above)
 
 
 @pytest.fixture(scope="session")

@@ -5,17 +5,29 @@ from pathlib import Path
 
 import psutil
 
-from sahajbert.localswarm import LOOPBACK, REPO_ROOT, PeerProcess, read_train_log, tiny_trainer_flags
+from sahajbert.checkpoints import list_checkpoints
+from sahajbert.localswarm import LOOPBACK, PeerProcess, start_first_peer, tiny_trainer_flags
+from sahajbert.train_log import StepRecord, read_train_log
 
-ROOT = REPO_ROOT
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: the scripts under test live here
 LOCAL = LOOPBACK
 # every test's trainers: the library's tiny settings, a checkpoint at every global step, frequent progress lines
 TINY_TRAINING = tiny_trainer_flags(averaging_timeout=20, save_steps=1, log_every_seconds=2)
 
 
+def script(name: str) -> Path:
+    """A script of this repository by its path from the root, e.g. "run_trainer.py" or "benchmarks/netswarm.py"."""
+    return ROOT / name
+
+
+def first_peer(log_dir: Path, run_id: str) -> tuple[PeerProcess, list[str]]:
+    """run_first_peer.py on loopback, and the multiaddrs others join through."""
+    return start_first_peer(script("run_first_peer.py"), log_dir, run_id)
+
+
 def last_step(output_dir: Path) -> int:
     records = read_train_log(output_dir)
-    return records[-1]["step"] if records else 0
+    return records[-1].step if records else 0
 
 
 def final_step(output_dir: Path) -> int:
@@ -24,8 +36,6 @@ def final_step(output_dir: Path) -> int:
     Its train log can end one or two steps lower: a peer whose labels lag the swarm's takes part in the same rounds
     and adopts the group's highest label only in that final round.
     """
-    from sahajbert.checkpoints import list_checkpoints
-
     saved = list_checkpoints(output_dir)
     return saved[-1][0] if saved else 0
 
@@ -39,17 +49,23 @@ def kill_orphans(processes: list[psutil.Process]) -> None:
             pass
 
 
-def swarm_loss(logs: list[list[dict]], steps) -> float:
+def swarm_loss(logs: list[list[StepRecord]], steps) -> float:
     """The swarm's mean loss per mini-step over some global steps, from every peer's records.
 
     Per swarm, not per peer: a peer that downloads the state (joins late, or catches up) skips steps in its own log.
     """
-    records = [r for log in logs for r in log if r["step"] in set(steps)]
-    return sum(r["loss"] * r["mini_steps"] for r in records) / sum(r["mini_steps"] for r in records)
+    records = [r for log in logs for r in log if r.step in set(steps)]
+    return sum(r.loss * r.mini_steps for r in records) / sum(r.mini_steps for r in records)
 
 
 def start_peer(
-    script: str, tmp_path: Path, name: str, run_id: str, initial_peers: list[str], *extra, python: str = sys.executable
+    name_of_script: str,
+    tmp_path: Path,
+    name: str,
+    run_id: str,
+    initial_peers: list[str],
+    *extra,
+    python: str = sys.executable,
 ) -> PeerProcess:
     """run_trainer.py or run_aux_peer.py with the tests' tiny settings; its output_dir and log are named `name`.
 
@@ -64,4 +80,4 @@ def start_peer(
         "--output_dir",
         str(tmp_path / name),
     ]
-    return PeerProcess(script, [*args, *extra], tmp_path / f"{name}.log", python=python)
+    return PeerProcess(script(name_of_script), [*args, *extra], tmp_path / f"{name}.log", python=python)

@@ -12,11 +12,12 @@ import pytest
 from transformers import AlbertForPreTraining, AutoModel
 
 from sahajbert.checkpoints import list_checkpoints
-from sahajbert.localswarm import PeerProcess, read_train_log, start_first_peer, wait_for
+from sahajbert.localswarm import PeerProcess, wait_for
 from sahajbert.metrics import LocalMetrics, SwarmSummary
 from sahajbert.monitor import SwarmMonitor
+from sahajbert.train_log import read_train_log
 
-from .swarm_helpers import kill_orphans, start_peer
+from .swarm_helpers import first_peer, kill_orphans, start_peer
 from .wandb_reader import history
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -102,7 +103,7 @@ def test_aux_peer_monitors_checkpoints_and_rescues_the_run(tmp_path):
             pytest.fail("CI must install Debian's chromium for the dashboard test (.ci/run does)")
         pytest.skip("chromium is not installed (apt-get install chromium)")
     run_id = "aux_run"
-    first_peer, initial_peers = start_first_peer(tmp_path / "fp1", run_id)
+    organizer, initial_peers = first_peer(tmp_path / "fp1", run_id)
     monitor = aux(
         tmp_path,
         "aux",
@@ -151,7 +152,7 @@ def test_aux_peer_monitors_checkpoints_and_rescues_the_run(tmp_path):
         for peer in trainers:
             peer.stop()
         monitor.stop()
-        first_peer.stop()
+        organizer.stop()
 
     saved = list_checkpoints(tmp_path / "aux")
     steps = [step for step, _ in saved]
@@ -172,7 +173,7 @@ def test_aux_peer_monitors_checkpoints_and_rescues_the_run(tmp_path):
     assert all(row["alive_peers"] >= 1 and row["loss"] > 0 for row in rows)
 
     # rescue: every peer is gone; an aux peer serves the last checkpoint to a new swarm
-    first_peer, initial_peers = start_first_peer(tmp_path / "fp2", run_id)
+    organizer, initial_peers = first_peer(tmp_path / "fp2", run_id)
     rescue = aux(tmp_path, "rescue", run_id, initial_peers, "--initial_state", str(last_checkpoint))
     newcomer = None
     try:
@@ -180,8 +181,8 @@ def test_aux_peer_monitors_checkpoints_and_rescues_the_run(tmp_path):
         newcomer = trainer(tmp_path, "newcomer", run_id, initial_peers, "--max_steps", str(last_step_saved + 2))
         assert newcomer.wait(300) == 0, newcomer.output()[-3000:]
     finally:
-        for process in [p for p in (newcomer, rescue, first_peer) if p]:
+        for process in [p for p in (newcomer, rescue, organizer) if p]:
             process.stop()
     assert f"joined at global step {last_step_saved}" in newcomer.output()
-    steps = [record["step"] for record in read_train_log(tmp_path / "newcomer")]
+    steps = [record.step for record in read_train_log(tmp_path / "newcomer")]
     assert steps == [last_step_saved + 1, last_step_saved + 2], f"resumed at the served step {last_step_saved}"

@@ -17,7 +17,7 @@ from sahajbert.examples import PairBuilder, split_sentences
 from sahajbert.stream import Prefetcher, batched, iterate_examples
 from sahajbert.tokenization import word_start_table
 
-from .conftest import ROOT
+from .swarm_helpers import ROOT
 
 
 def corpus_args(files, **overrides):

@@ -9,9 +9,10 @@ import pytest
 
 from sahajbert.checkpoints import latest_checkpoint
 from sahajbert.finetuning import NER_LABELS, encode_ner, markdown_table, ner_metrics, news_metrics, summarize
-from sahajbert.localswarm import PeerProcess, start_first_peer
+from sahajbert.localswarm import PeerProcess
+from sahajbert.samples import SAMPLE_TOKENIZER
 
-from .swarm_helpers import ROOT, TINY_TRAINING
+from .swarm_helpers import ROOT, TINY_TRAINING, first_peer, script
 
 SAMPLE = ROOT / "finetune" / "sample"
 NER_FILES = [
@@ -37,7 +38,7 @@ QUICK = ["--learning_rate", "3e-3", "--per_device_train_batch_size", "16", "--di
 def pretrained(tmp_path_factory):
     """Two global steps of real collaborative pretraining (first peer + one trainer) -> its checkpoint."""
     workdir = tmp_path_factory.mktemp("pretrain")
-    first_peer, initial_peers = start_first_peer(workdir, "finetune_fixture")
+    organizer, initial_peers = first_peer(workdir, "finetune_fixture")
     args = [
         "--run_id",
         "finetune_fixture",
@@ -51,12 +52,12 @@ def pretrained(tmp_path_factory):
         "--output_dir",
         str(workdir / "trainer"),
     ]
-    trainer = PeerProcess("run_trainer.py", args, workdir / "trainer.log")
+    trainer = PeerProcess(script("run_trainer.py"), args, workdir / "trainer.log")
     try:
         assert trainer.wait(240) == 0, trainer.output()[-3000:]
     finally:
         trainer.stop()
-        first_peer.stop()
+        organizer.stop()
     return str(latest_checkpoint(workdir / "trainer"))
 
 
@@ -217,7 +218,7 @@ def test_bad_data_is_one_clear_line(tmp_path, script, files, content, message):
     path.write_text(content, encoding="utf-8")
     args = [
         "--model_name_or_path",
-        str(ROOT / "tokenizer" / "sample"),
+        str(SAMPLE_TOKENIZER),
         "--train_file",
         str(path),
         "--validation_file",
@@ -240,7 +241,7 @@ def test_bad_data_is_one_clear_line(tmp_path, script, files, content, message):
 )
 def test_evaluate_checks_every_runs_flags_before_training(tmp_path, ncc_args, message):
     """A mistake in the classification flags is found before the NER runs (listed first) train anything."""
-    model = str(ROOT / "tokenizer" / "sample")  # never loaded: the flags fail first
+    model = str(SAMPLE_TOKENIZER)  # never loaded: the flags fail first
     out = tmp_path / "evaluation"
     args = ["--models", model, "--output_dir", str(out), "--ner_args", " ".join(NER_FILES), "--ncc_args", ncc_args]
     result = run_script("evaluate.py", args)

@@ -10,18 +10,18 @@ import torch
 from transformers import AlbertForPreTraining, AutoTokenizer
 
 from sahajbert.checkpoints import latest_checkpoint
-from sahajbert.localswarm import PeerProcess, peer_env, start_first_peer, wait_for
-from sahajbert.localswarm import read_train_log as train_log
+from sahajbert.localswarm import PeerProcess, peer_env, wait_for
+from sahajbert.train_log import read_train_log as train_log
 
-from .swarm_helpers import LOCAL, ROOT, final_step, kill_orphans, last_step, start_peer, swarm_loss
+from .swarm_helpers import LOCAL, final_step, first_peer, kill_orphans, last_step, script, start_peer, swarm_loss
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def first_peer(tmp_path, request):
+def swarm(tmp_path, request):
     run_id = request.node.name.replace("[", "_").replace("]", "")[:40]
-    peer, initial_peers = start_first_peer(tmp_path / "first_peer", run_id)
+    peer, initial_peers = first_peer(tmp_path / "first_peer", run_id)
     yield run_id, initial_peers
     peer.stop()
 
@@ -35,8 +35,8 @@ def weights(checkpoint) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("mode", ["dpu", "lockstep"])
-def test_two_trainers_make_global_steps_and_agree(tmp_path, first_peer, mode):
-    run_id, initial_peers = first_peer
+def test_two_trainers_make_global_steps_and_agree(tmp_path, swarm, mode):
+    run_id, initial_peers = swarm
     # dpu: the default, delayed parameter updates (each peer applies the last update in the background, then the
     # trainers average once more); lockstep: every peer waits for each all-reduce before its next step
     flags = ["--delay_optimizer_step", "false", "--delay_grad_averaging", "false"] if mode == "lockstep" else []
@@ -52,21 +52,21 @@ def test_two_trainers_make_global_steps_and_agree(tmp_path, first_peer, mode):
     assert any("final parameters averaged by 2 peers" in out for out in outputs), outputs[0][-3000:]
     logs = [train_log(tmp_path / f"t{i}") for i in range(2)]
     for log in logs:
-        assert max(r["peers"] for r in log) == 2, "both trainers must be counted in the same global steps"
+        assert max(r.peers for r in log) == 2, "both trainers must be counted in the same global steps"
     # parameters end identical within fp16 compression tolerance
     a, b = (weights(latest_checkpoint(tmp_path / f"t{i}")) for i in range(2))
     assert latest_checkpoint(tmp_path / "t0").name == latest_checkpoint(tmp_path / "t1").name == "checkpoint-5"
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=2e-3, rtol=1e-2, msg=f"{name} differs between peers")
     # the loss goes down (first vs last step, each averaged over a peer's mini-steps)
-    assert swarm_loss(logs, [5]) < swarm_loss(logs, [1]), [[round(r["loss"], 3) for r in log] for log in logs]
+    assert swarm_loss(logs, [5]) < swarm_loss(logs, [1]), [[round(r.loss, 3) for r in log] for log in logs]
     # the checkpoint is a transformers model with its tokenizer beside it
     checkpoint = latest_checkpoint(tmp_path / "t0")
     assert AutoTokenizer.from_pretrained(checkpoint).mask_token_id == 4
 
 
-def test_late_trainer_downloads_state_and_continues(tmp_path, first_peer):
-    run_id, initial_peers = first_peer
+def test_late_trainer_downloads_state_and_continues(tmp_path, swarm):
+    run_id, initial_peers = swarm
     # a long enough run that the late trainer (slow to start while two others use the CPU) still trains in it
     early = [trainer(tmp_path, f"early{i}", run_id, initial_peers, "--max_steps", "12") for i in range(2)]
     late = None
@@ -80,12 +80,12 @@ def test_late_trainer_downloads_state_and_continues(tmp_path, first_peer):
             peer.stop()
     late_log = train_log(tmp_path / "late")
     assert "downloading its state from peers" in late.output()
-    assert late_log[0]["step"] > 2, "the late trainer must continue from the swarm's step, not from 0"
-    assert final_step(tmp_path / "late") == 12 and late_log[-1]["step"] > late_log[0]["step"]
+    assert late_log[0].step > 2, "the late trainer must continue from the swarm's step, not from 0"
+    assert final_step(tmp_path / "late") == 12 and late_log[-1].step > late_log[0].step
 
 
-def test_killed_trainer_does_not_stop_the_swarm(tmp_path, first_peer):
-    run_id, initial_peers = first_peer
+def test_killed_trainer_does_not_stop_the_swarm(tmp_path, swarm):
+    run_id, initial_peers = swarm
     survivor = trainer(tmp_path, "survivor", run_id, initial_peers, "--max_steps", "6")
     victim = trainer(tmp_path, "victim", run_id, initial_peers, "--max_steps", "100")
     orphans = []
@@ -102,9 +102,9 @@ def test_killed_trainer_does_not_stop_the_swarm(tmp_path, first_peer):
     assert last_step(tmp_path / "survivor") >= max(6, killed_at + 2)
 
 
-def test_collaboration_does_not_change_what_is_learned(tmp_path, first_peer):
+def test_collaboration_does_not_change_what_is_learned(tmp_path, swarm):
     """2 peers with batch b vs 1 peer with batch 2b, same target batch and global steps: similar loss."""
-    run_id, initial_peers = first_peer
+    run_id, initial_peers = swarm
     common = ["--max_steps", "8", "--per_device_train_batch_size", "8", "--target_batch_size", "384"]
     pair = [trainer(tmp_path, f"pair{i}", run_id, initial_peers, *common) for i in range(2)]
     try:
@@ -125,22 +125,22 @@ def test_collaboration_does_not_change_what_is_learned(tmp_path, first_peer):
     assert abs(pair_loss - solo_loss) / solo_loss < 0.05, (pair_loss, solo_loss)
 
 
-def test_trainer_resumes_from_its_checkpoint(tmp_path, first_peer):
-    run_id, initial_peers = first_peer
+def test_trainer_resumes_from_its_checkpoint(tmp_path, swarm):
+    run_id, initial_peers = swarm
     first = trainer(tmp_path, "resume", run_id, initial_peers, "--max_steps", "2")
     assert first.wait(240) == 0, first.output()[-3000:]
     first.stop()
     second = trainer(tmp_path, "resume", run_id, initial_peers, "--max_steps", "4")
     assert second.wait(240) == 0, second.output()[-3000:]
     second.stop()
-    steps = [r["step"] for r in train_log(tmp_path / "resume")]
+    steps = [r.step for r in train_log(tmp_path / "resume")]
     assert steps == [1, 2, 3, 4], steps
     assert "resuming from" in second.output()
     assert latest_checkpoint(tmp_path / "resume").name == "checkpoint-4"
 
 
-def test_sigterm_stops_cleanly_without_orphans(tmp_path, first_peer):
-    run_id, initial_peers = first_peer
+def test_sigterm_stops_cleanly_without_orphans(tmp_path, swarm):
+    run_id, initial_peers = swarm
     peer = trainer(tmp_path, "term", run_id, initial_peers)
     try:
         wait_for(lambda: last_step(tmp_path / "term") >= 1, 240, "a first global step")
@@ -178,12 +178,11 @@ def test_sigterm_stops_cleanly_without_orphans(tmp_path, first_peer):
 )
 def test_bad_input_is_one_clear_line(tmp_path, args, message):
     result = subprocess.run(
-        [sys.executable, str(ROOT / "run_trainer.py"), "--output_dir", str(tmp_path / "o"), *LOCAL, *args],
+        [sys.executable, str(script("run_trainer.py")), "--output_dir", str(tmp_path / "o"), *LOCAL, *args],
         capture_output=True,
         text=True,
         timeout=120,
         env=peer_env(),
-        cwd=ROOT,
     )
     assert result.returncode == 2, result.stderr[-2000:]
     error_lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]

@@ -6,9 +6,10 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
+from sahajbert.samples import SAMPLE_TOKENIZER
 from sahajbert.tokenization import SPECIAL_TOKENS, build_normalizer, build_pre_tokenizer
 
-from .conftest import ROOT
+from .swarm_helpers import ROOT
 
 
 @pytest.mark.parametrize(
@@ -71,7 +72,7 @@ def test_unknown_characters_map_to_unk(tokenizer):
 
 
 def test_shipped_sample_tokenizer_loads_and_cli_rebuilds_it(tmp_path, sample_files):
-    shipped = AutoTokenizer.from_pretrained(ROOT / "tokenizer" / "sample")
+    shipped = AutoTokenizer.from_pretrained(SAMPLE_TOKENIZER)
     assert shipped.mask_token_id == 4 and len(shipped) == 2000
     out = tmp_path / "rebuilt"
     subprocess.run(

@@ -8,9 +8,9 @@ import pytest
 from nbclient import NotebookClient
 
 from sahajbert.devices import DeviceInfo, HardwareConfig, auto_configure
-from sahajbert.localswarm import peer_env, start_first_peer
+from sahajbert.localswarm import peer_env
 
-from .swarm_helpers import LOCAL, ROOT, TINY_TRAINING
+from .swarm_helpers import LOCAL, ROOT, TINY_TRAINING, first_peer, script
 
 
 @pytest.mark.parametrize(
@@ -36,7 +36,7 @@ def test_reachable_machines_are_not_put_in_client_mode():
 
 def run_trainer(*args, timeout=180):
     return subprocess.run(
-        [sys.executable, str(ROOT / "run_trainer.py"), *args],
+        [sys.executable, str(script("run_trainer.py")), *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -47,9 +47,9 @@ def run_trainer(*args, timeout=180):
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
-    first_peer, initial_peers = start_first_peer(tmp_path_factory.mktemp("fp"), "volunteers")
+    organizer, initial_peers = first_peer(tmp_path_factory.mktemp("fp"), "volunteers")
     yield initial_peers
-    first_peer.stop()
+    organizer.stop()
 
 
 @pytest.mark.slow

@@ -13,13 +13,15 @@ import torch
 from transformers import AlbertForPreTraining
 
 from sahajbert.checkpoints import latest_checkpoint
-from sahajbert.localswarm import peer_env, read_train_log, start_first_peer, wait_for
+from sahajbert.localswarm import peer_env, wait_for
+from sahajbert.train_log import read_train_log
 
-from .swarm_helpers import ROOT, final_step, start_peer, swarm_loss
+from .swarm_helpers import ROOT, final_step, first_peer, start_peer, swarm_loss
 
 TPU_PYTHON = ROOT / ".venv-tpu" / "bin" / "python"
 XLA_ENV = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
 LOCKSTEP = ["--delay_optimizer_step", "false", "--delay_grad_averaging", "false"]
+pytestmark = pytest.mark.xla
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +57,7 @@ def spmd_report(tpu_python):
 def test_spmd_pass_over_four_devices_matches_the_cpu(spmd_report):
     report = spmd_report
     assert report["cores"] == 4 and report["device"] == "XLA CPU x4"
+    assert report["implements_compute"], "SpmdReplica must implement the training loop's Compute protocol"
     assert report["input_sharding"] == "{devices=[4,1]0,1,2,3}", "the batch must be split over the 4 devices"
     assert report["xla_loss"] == pytest.approx(report["cpu_loss"], abs=1e-5)
     assert report["grad_rel_diff"] < 1e-5, report
@@ -82,7 +85,7 @@ def test_bf16_on_xla_sends_unscaled_fp32_gradients(spmd_report):
 def test_cpu_peer_and_xla_peer_train_one_model(tmp_path, tpu_python, xla_env):
     """A plain CPU peer (main venv, fp32) and an XLA peer (TPU venv, 4 devices, bf16) make global steps together."""
     run_id = "hetero"
-    first, initial_peers = start_first_peer(tmp_path / "first_peer", run_id)
+    first, initial_peers = first_peer(tmp_path / "first_peer", run_id)
     steps = ["--max_steps", "4", *LOCKSTEP]
     # 2 per core x 4 XLA devices = 8 per pass, the CPU peer's batch
     xla = start_peer(
@@ -109,7 +112,7 @@ def test_cpu_peer_and_xla_peer_train_one_model(tmp_path, tpu_python, xla_env):
 
     xla_log, cpu_log = read_train_log(tmp_path / "xla"), read_train_log(tmp_path / "cpu")
     assert final_step(tmp_path / "xla") == final_step(tmp_path / "cpu") == 4
-    assert max(r["peers"] for r in cpu_log) == 2 and max(r["peers"] for r in xla_log) == 2
+    assert max(r.peers for r in cpu_log) == 2 and max(r.peers for r in xla_log) == 2
     output = xla.output()
     assert "computing on XLA CPU x4 in bf16; 8 samples per pass (2 per core x 4 core(s)" in output
     assert "XLA recompiled" not in output, "fixed shapes: the step compiles once"

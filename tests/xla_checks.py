@@ -7,21 +7,18 @@ compared again. Prints one JSON object of measurements; the test judges them.
 
 import copy
 import json
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from arguments import CorpusArguments  # noqa: E402
-from sahajbert.collators import PretrainingCollator  # noqa: E402
-from sahajbert.devices import describe_device  # noqa: E402
-from sahajbert.model import build_model  # noqa: E402
-from sahajbert.samples import SAMPLE_FILES, SAMPLE_TOKENIZER  # noqa: E402
-from sahajbert.stream import batched, iterate_examples  # noqa: E402
-from sahajbert.tokenization import load_tokenizer  # noqa: E402
-from sahajbert.xla import SpmdReplica  # noqa: E402
+from sahajbert.arguments import CorpusArguments
+from sahajbert.collators import PretrainingCollator
+from sahajbert.compute import Compute
+from sahajbert.devices import describe_device
+from sahajbert.model import build_model
+from sahajbert.samples import SAMPLE_FILES, SAMPLE_TOKENIZER
+from sahajbert.stream import batched, iterate_examples
+from sahajbert.tokenization import load_tokenizer
+from sahajbert.xla import SpmdReplica
 
 SEQ = 64
 
@@ -52,6 +49,7 @@ def main() -> None:
     report = {"device": device.name, "cores": device.cores, "batch": int(batch["input_ids"].shape[0])}
 
     replica = SpmdReplica(host, dtype=None)
+    report["implements_compute"] = isinstance(replica, Compute)
     replica.replica.eval()
     loss = replica.backward(batch, 1.0)
     replica.finish_pass()

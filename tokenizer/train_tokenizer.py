@@ -3,17 +3,13 @@
 
 import itertools
 import logging
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere: the repo root holds the library
+from tqdm.auto import tqdm
 
-from tqdm.auto import tqdm  # noqa: E402
-
-from arguments import CorpusArguments, TokenizerTrainingArguments  # noqa: E402
-from sahajbert.cli import parse_args, run, setup_logging  # noqa: E402
-from sahajbert.corpus import SkipCounter, resolve_probabilities, resolve_sources, stream_documents  # noqa: E402
-from sahajbert.tokenization import save_tokenizer, train_tokenizer  # noqa: E402
+from sahajbert.arguments import CorpusArguments, TokenizerTrainingArguments
+from sahajbert.cli import parse_args, run, setup_logging
+from sahajbert.corpus import SkipCounter, resolve_probabilities, resolve_sources, stream_documents
+from sahajbert.tokenization import save_tokenizer, train_tokenizer
 
 logger = logging.getLogger("train_tokenizer")
 

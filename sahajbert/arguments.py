@@ -1,0 +1,441 @@
+"""Every command-line flag of every script, one dataclass per concern; defaults are the real sahajBERT values.
+
+Parsed with `transformers.HfArgumentParser`, so each script also accepts a single `.json` file of these fields.
+The library types its parameters with these classes; `arguments.py` at the repository root is the page that lists
+them for users.
+"""
+
+import shlex
+from dataclasses import dataclass, field
+from typing import ClassVar, Optional
+
+import transformers
+
+from sahajbert.corpus import DEFAULT_SOURCES, HUB_SOURCES
+from sahajbert.samples import SAMPLE_TOKENIZER
+
+
+@dataclass
+class CorpusArguments:
+    """Where the text comes from and how it becomes ALBERT examples (data/)."""
+
+    sources: list[str] = field(
+        default_factory=lambda: list(DEFAULT_SOURCES),
+        metadata={"help": f"Hub sources to stream: presets {', '.join(HUB_SOURCES)} or 'owner/name[:config]'."},
+    )
+    source_probabilities: Optional[list[float]] = field(
+        default=None,
+        metadata={"help": "Sampling probability of each source, in order (default: 0.23 0.77 for two, else uniform)."},
+    )
+    data_files: Optional[list[str]] = field(
+        default=None,
+        metadata={
+            "help": "Local .txt (blank-line separated documents), .jsonl/.json or .parquet files (or globs); "
+            "each one is a source and replaces --sources. Works offline."
+        },
+    )
+    shuffle_buffer: int = field(default=10_000, metadata={"help": "Documents held in each source's shuffle buffer."})
+    max_seq_length: int = field(default=512, metadata={"help": "Tokens per example, [CLS] and both [SEP] included."})
+    short_seq_prob: float = field(
+        default=0.1, metadata={"help": "Fraction of examples given a shorter random length (as in ALBERT)."}
+    )
+    mlm_probability: float = field(default=0.15, metadata={"help": "Fraction of tokens to predict in masked LM."})
+    masking: str = field(
+        default="whole_word", metadata={"help": "Masked-LM masking unit.", "choices": ["whole_word", "token"]}
+    )
+    pad_to_multiple_of: Optional[int] = field(
+        default=8, metadata={"help": "Pad batches to a multiple of this many tokens (8 suits tensor cores)."}
+    )
+    tokenizer_path: str = field(
+        default=str(SAMPLE_TOKENIZER),
+        metadata={"help": "Tokenizer folder (tokenizer/train_tokenizer.py) or Hub name."},
+    )
+
+    def __post_init__(self):
+        if self.max_seq_length < 8:
+            raise ValueError(f"--max_seq_length must be at least 8, got {self.max_seq_length}")
+        if not 0.0 < self.mlm_probability < 1.0:
+            raise ValueError(f"--mlm_probability must be between 0 and 1, got {self.mlm_probability}")
+
+
+@dataclass
+class TokenizerTrainingArguments:
+    """tokenizer/train_tokenizer.py: the Unigram tokenizer every peer shares."""
+
+    vocab_size: int = field(default=32_000, metadata={"help": "Vocabulary size, the 5 special tokens included."})
+    output_dir: str = field(default="tokenizer/sahajbert", metadata={"help": "Folder to write the tokenizer to."})
+    max_texts: Optional[int] = field(
+        default=None, metadata={"help": "Train on at most this many documents (default: the whole corpus)."}
+    )
+    seed: int = field(default=0, metadata={"help": "Seed of the corpus shuffle."})
+
+
+@dataclass
+class PreviewArguments:
+    """data/preview.py: show what the model trains on."""
+
+    num_examples: int = field(default=5, metadata={"help": "How many examples to show."})
+    seed: int = field(default=0, metadata={"help": "Stream seed (each peer derives its own)."})
+    json: bool = field(default=False, metadata={"help": "Print one JSON object per example instead of text."})
+
+
+@dataclass
+class SwarmArguments:
+    """How this peer finds the others (hivemind DHT over libp2p)."""
+
+    run_id: str = field(default="sahajbert", metadata={"help": "Name of the training run; all its peers share it."})
+    initial_peers: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Multiaddrs of peers already in the run, as printed by run_first_peer.py, e.g. "
+            "/ip4/1.2.3.4/tcp/31337/p2p/Qm... (empty: start a new swarm)."
+        },
+    )
+    host_maddrs: list[str] = field(
+        default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"],
+        metadata={"help": "Multiaddrs to listen on; tcp/0 picks a free port. Use a fixed port to be reachable."},
+    )
+    announce_maddrs: list[str] = field(
+        default_factory=list, metadata={"help": "Public multiaddrs to tell others (behind NAT or a proxy)."}
+    )
+    identity_path: Optional[str] = field(
+        default=None,
+        metadata={"help": "Private key file that keeps this peer's id across restarts (created if missing)."},
+    )
+    client_mode: bool = field(
+        default=False,
+        metadata={"help": "Accept no incoming connections (behind a firewall/NAT); the peer still trains."},
+    )
+    use_ipfs: bool = field(default=False, metadata={"help": "Also find peers through the public IPFS DHT."})
+    join_timeout: float = field(
+        default=60.0, metadata={"help": "Seconds to wait for the initial peers to answer before giving up."}
+    )
+
+
+@dataclass
+class AveragingArguments:
+    """How peers all-reduce gradients and parameters."""
+
+    matchmaking_time: float = field(
+        default=5.0, metadata={"help": "Seconds spent gathering a group of peers for each all-reduce."}
+    )
+    averaging_timeout: float = field(
+        default=60.0, metadata={"help": "Seconds after which an unfinished all-reduce round is abandoned."}
+    )
+    next_chunk_timeout: Optional[float] = field(
+        default=None, metadata={"help": "Seconds to wait for a peer's next chunk before excluding it."}
+    )
+    target_group_size: Optional[int] = field(
+        default=None, metadata={"help": "Most peers in one all-reduce group (default: everyone)."}
+    )
+    bandwidth: Optional[float] = field(
+        default=None,
+        metadata={"help": "This peer's network bandwidth in Mbit/s; faster peers reduce larger parts."},
+    )
+    compression: str = field(
+        default="fp16",
+        metadata={"help": "Compression of averaged tensors.", "choices": ["none", "fp16", "8bit", "adaptive"]},
+    )
+    load_state_timeout: float = field(
+        default=600.0,
+        metadata={
+            "help": "Seconds one download of the swarm's state may take before it is retried (hivemind's default; "
+            "a full-size state over a slow uplink needs minutes). hivemind 1.1 can lose a download whose first dial "
+            "hangs, and the peer then waits this long: set it lower for small models."
+        },
+    )
+    final_averaging_window: float = field(
+        default=30.0,
+        metadata={
+            "help": "Seconds the trainers that reach --max_steps wait for each other to average their parameters "
+            "once more, so they all end with the same model (with delayed updates each applies the last update on "
+            "its own). Peers finishing within this window of the first one join it; 0 skips the round."
+        },
+    )
+
+    def __post_init__(self):
+        if self.final_averaging_window < 0:
+            raise ValueError(f"--final_averaging_window must be >= 0 seconds, got {self.final_averaging_window}")
+
+
+@dataclass
+class CollaborativeOptimizerArguments:
+    """When the swarm makes a global step, and how hivemind.Optimizer overlaps it with compute."""
+
+    target_batch_size: int = field(
+        default=4096, metadata={"help": "Samples the whole swarm accumulates per global optimizer step."}
+    )
+    batch_size_lead: int = field(
+        default=0, metadata={"help": "Start averaging this many samples before the target, to hide latency."}
+    )
+    offload_optimizer: bool = field(
+        default=True, metadata={"help": "Keep optimizer state and the master parameters in host RAM."}
+    )
+    delay_optimizer_step: bool = field(
+        default=True, metadata={"help": "Run the optimizer step in the background while the next batch computes."}
+    )
+    delay_grad_averaging: bool = field(
+        default=True, metadata={"help": "Average gradients in the background (with delay_optimizer_step: DPU)."}
+    )
+    average_state_every: int = field(
+        default=1, metadata={"help": "Average parameters with peers every this many global steps."}
+    )
+    use_local_updates: bool = field(
+        default=False,
+        metadata={"help": "Step locally every batch and only average parameters (no gradient averaging)."},
+    )
+    max_refresh_period: float = field(
+        default=10.0,
+        metadata={
+            "help": "Most seconds between two reads of the swarm's progress from the DHT. Until its next read a "
+            "peer that started before the others saw them counts only its own samples (and may step alone): keep it "
+            "well under the time of a global step."
+        },
+    )
+    metadata_expiration: float = field(
+        default=60.0,
+        metadata={
+            "help": "Seconds a peer's progress report lives in the DHT. Peers extrapolate a silent peer's "
+            "samples until it expires, so with frequent churn a shorter value avoids early global steps."
+        },
+    )
+
+    def __post_init__(self):
+        if self.target_batch_size < 1:
+            raise ValueError(f"--target_batch_size must be positive, got {self.target_batch_size}")
+        if not 0 <= self.batch_size_lead < self.target_batch_size:
+            raise ValueError("--batch_size_lead must be at least 0 and below --target_batch_size")
+        if self.max_refresh_period < 0.5:  # hivemind's own floor between two reads
+            raise ValueError(f"--max_refresh_period must be at least 0.5 seconds, got {self.max_refresh_period}")
+
+
+@dataclass
+class ModelArguments:
+    """Which ALBERT to train."""
+
+    model: str = field(
+        default="sahajbert",
+        metadata={"help": "A preset (tiny, sahajbert, sahajbert-xl) or a path to an AlbertConfig JSON or folder."},
+    )
+
+
+@dataclass
+class LocalTrainingArguments:
+    """This peer's local training: batch, schedule, precision, checkpoints."""
+
+    per_device_train_batch_size: int = field(default=4, metadata={"help": "Examples per forward/backward pass."})
+    gradient_accumulation_steps: int = field(
+        default=1, metadata={"help": "Passes accumulated locally before reporting progress to the swarm."}
+    )
+    learning_rate: float = field(default=0.00176, metadata={"help": "Peak LAMB learning rate (sahajBERT: 0.00176)."})
+    warmup_steps: int = field(default=5000, metadata={"help": "Global steps of linear warmup."})
+    total_steps: int = field(
+        default=125_000, metadata={"help": "Length of the linear-decay schedule, in global steps."}
+    )
+    max_steps: Optional[int] = field(
+        default=None, metadata={"help": "Stop this peer cleanly once the swarm reaches this global step."}
+    )
+    weight_decay: float = field(default=0.01, metadata={"help": "LAMB weight decay (none on biases and LayerNorm)."})
+    adam_beta1: float = field(default=0.9, metadata={"help": "LAMB beta1."})
+    adam_beta2: float = field(default=0.999, metadata={"help": "LAMB beta2."})
+    adam_epsilon: float = field(default=1e-6, metadata={"help": "LAMB epsilon."})
+    clamp_value: float = field(
+        default=10_000.0, metadata={"help": "LAMB: clamp of the weight norm in the trust ratio."}
+    )
+    precision: str = field(
+        default="auto",
+        metadata={
+            "help": "Compute precision; auto picks fp16 on CUDA >= 7.0, else fp32 (TPU and CPU: bf16 is opt-in).",
+            "choices": ["auto", "fp32", "fp16", "bf16"],
+        },
+    )
+    device: str = field(
+        default="auto",
+        metadata={
+            "help": "Where to compute; auto: a TPU host's cores (with torch_xla), else a CUDA GPU, else the CPU. "
+            "tpu drives every XLA device of the host as one peer (needs requirements-tpu.txt).",
+            "choices": ["auto", "cpu", "cuda", "tpu"],
+        },
+    )
+    gradient_checkpointing: bool = field(
+        default=False, metadata={"help": "Recompute activations in backward to save accelerator memory."}
+    )
+    seed: int = field(
+        default=0,
+        metadata={"help": "Model init seed, shared by the run; each peer's data order also mixes in its own id."},
+    )
+    output_dir: str = field(default="outputs/trainer", metadata={"help": "Where this peer writes checkpoints."})
+    save_steps: int = field(default=500, metadata={"help": "Save a local checkpoint every this many global steps."})
+    keep_checkpoints: int = field(default=3, metadata={"help": "How many local checkpoints to keep."})
+    log_every_seconds: float = field(default=10.0, metadata={"help": "Seconds between progress lines."})
+
+    def __post_init__(self):
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "save_steps", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"--max_steps must be at least 1, got {self.max_steps}")
+
+
+@dataclass
+class PeerArguments:
+    """Every setting of a peer that holds the model (a trainer, the aux peer), one group per concern.
+
+    Scripts parse the groups' flags together (`sahajbert.cli.parse_args` builds this from them); the aux peer is
+    built from the same groups as the trainers, so it never re-types a hyperparameter.
+    """
+
+    swarm_args: SwarmArguments = field(default_factory=SwarmArguments)
+    averaging_args: AveragingArguments = field(default_factory=AveragingArguments)
+    optimizer_args: CollaborativeOptimizerArguments = field(default_factory=CollaborativeOptimizerArguments)
+    model_args: ModelArguments = field(default_factory=ModelArguments)
+    training_args: LocalTrainingArguments = field(default_factory=LocalTrainingArguments)
+    corpus_args: CorpusArguments = field(default_factory=CorpusArguments)
+
+    # the field types in field order: what the parser fills, one group after the other
+    GROUPS: ClassVar[tuple[type, ...]] = (
+        SwarmArguments,
+        AveragingArguments,
+        CollaborativeOptimizerArguments,
+        ModelArguments,
+        LocalTrainingArguments,
+        CorpusArguments,
+    )
+
+
+@dataclass
+class LocalSwarmArguments:
+    """run_local_swarm.py (make demo): a first peer and trainers on this machine, on the bundled sample."""
+
+    num_trainers: int = field(default=2, metadata={"help": "Trainer processes to start."})
+    max_steps: int = field(default=10, metadata={"help": "Global steps to train before stopping."})
+    target_batch_size: int = field(default=384, metadata={"help": "Samples per global step, all trainers together."})
+    output_dir: str = field(default="outputs/demo", metadata={"help": "Logs and each trainer's checkpoints go here."})
+    run_id: str = field(default="demo", metadata={"help": "Run name inside the local swarm."})
+    timeout: float = field(
+        default=600.0, metadata={"help": "Give up (and stop every process) after this many seconds."}
+    )
+
+
+@dataclass
+class FinetuneArguments:
+    """finetune/train_ner.py and finetune/train_ncc.py: model and data of a downstream task."""
+
+    model_name_or_path: str = field(
+        metadata={"help": "A pretraining checkpoint folder (e.g. outputs/demo/trainer0/checkpoint-10) or a Hub name."}
+    )
+    dataset_name: Optional[str] = field(
+        default=None, metadata={"help": "Hub dataset (default: unimelb-nlp/wikiann for NER, ai4bharat/indic_glue)."}
+    )
+    dataset_config: Optional[str] = field(
+        default=None, metadata={"help": "Hub dataset config (default: bn for NER, sna.bn for classification)."}
+    )
+    train_file: Optional[str] = field(
+        default=None, metadata={"help": "Local training file: CoNLL or JSONL for NER, CSV or JSONL for news."}
+    )
+    validation_file: Optional[str] = field(default=None, metadata={"help": "Local validation file (same formats)."})
+    test_file: Optional[str] = field(default=None, metadata={"help": "Local test file (same formats)."})
+    max_seq_length: int = field(default=128, metadata={"help": "Tokens per example after truncation."})
+    max_train_samples: Optional[int] = field(
+        default=None, metadata={"help": "Use only this many training examples (quick runs)."}
+    )
+    early_stopping_patience: int = field(
+        default=3, metadata={"help": "Stop after this many evaluations (epochs) without improvement."}
+    )
+    early_stopping_threshold: float = field(
+        default=0.0, metadata={"help": "Smallest improvement of the validation metric that counts."}
+    )
+
+    def __post_init__(self):
+        local = [self.train_file, self.validation_file, self.test_file]
+        if any(local) and not all(local):
+            raise ValueError("give all three of --train_file, --validation_file and --test_file, or none")
+
+
+@dataclass
+class FinetuneTrainingArguments(transformers.TrainingArguments):
+    """The usual transformers training flags, with defaults for evaluation every epoch and keeping the best model."""
+
+    output_dir: str = field(default="outputs/finetune", metadata={"help": "Where the model and results.json go."})
+    num_train_epochs: float = field(default=10.0, metadata={"help": "Most epochs (early stopping may end sooner)."})
+    learning_rate: float = field(default=5e-5, metadata={"help": "Peak AdamW learning rate."})
+    per_device_train_batch_size: int = field(default=16, metadata={"help": "Training batch size per device."})
+    per_device_eval_batch_size: int = field(default=64, metadata={"help": "Evaluation batch size per device."})
+    eval_strategy: str = field(default="epoch", metadata={"help": "When to evaluate (every epoch)."})
+    save_strategy: str = field(default="epoch", metadata={"help": "When to save (every epoch, best kept)."})
+    logging_strategy: str = field(default="epoch", metadata={"help": "When to log training loss."})
+    load_best_model_at_end: bool = field(default=True, metadata={"help": "Test the best epoch, not the last."})
+    save_total_limit: int = field(default=1, metadata={"help": "Checkpoints kept besides the best one."})
+    report_to: str = field(default="none", metadata={"help": "Logging integrations (e.g. wandb)."})
+
+
+@dataclass
+class EvaluationArguments:
+    """finetune/evaluate.py: both tasks, several seeds, one or more models, one table."""
+
+    models: list[str] = field(metadata={"help": "Model folders or Hub names to compare, side by side."})
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2], metadata={"help": "Fine-tuning seeds per model."})
+    tasks: list[str] = field(default_factory=lambda: ["ner", "ncc"], metadata={"help": "Tasks: ner, ncc."})
+    output_dir: str = field(default="outputs/evaluation", metadata={"help": "Runs, results.md and results.json."})
+    ner_args: str = field(default="", metadata={"help": "Extra flags for every NER run, e.g. '--train_file ...'."})
+    ncc_args: str = field(default="", metadata={"help": "Extra flags for every classification run."})
+
+    def __post_init__(self):
+        for name in ("ner_args", "ncc_args"):
+            text = getattr(self, name)
+            try:
+                shlex.split(text)
+            except ValueError as e:  # shlex's own message: "No closing quotation", "No escaped character"
+                raise ValueError(f"--{name} is not a valid command line ({str(e).lower()}): {text}") from e
+
+
+@dataclass
+class AuxPeerArguments:
+    """run_aux_peer.py: watch the swarm, save and publish its state, help it average."""
+
+    refresh_period: float = field(default=10.0, metadata={"help": "Seconds between reads of the peers' metrics."})
+    checkpoint_every: int = field(
+        default=100,
+        metadata={"help": "Download the swarm's state and save a checkpoint every this many global steps."},
+    )
+    wandb_project: Optional[str] = field(
+        default=None, metadata={"help": "Log the swarm's metrics to this wandb project (WANDB_MODE=offline works)."}
+    )
+    push_to_hub: bool = field(
+        default=False, metadata={"help": "Upload the latest checkpoint to the Hugging Face Hub."}
+    )
+    hub_model_id: Optional[str] = field(default=None, metadata={"help": "Hub repo to upload to, as org/name."})
+    upload_interval: float = field(default=3600.0, metadata={"help": "Seconds between Hub uploads (and retries)."})
+    assist_in_averaging: bool = field(
+        default=False, metadata={"help": "Take part in all-reduce without training (needs incoming connections)."}
+    )
+    initial_state: Optional[str] = field(
+        default=None,
+        metadata={"help": "Checkpoint folder to serve to joining trainers (seed or rescue a run), at its step."},
+    )
+    dashboard_port: Optional[int] = field(
+        default=None, metadata={"help": "Serve the live dashboard on this port (0: any free port)."}
+    )
+    dashboard_host: str = field(default="127.0.0.1", metadata={"help": "Address the dashboard listens on."})
+
+    def __post_init__(self):
+        if self.push_to_hub and not self.hub_model_id:
+            raise ValueError("--push_to_hub needs --hub_model_id org/name")
+        if self.checkpoint_every < 1:
+            raise ValueError(f"--checkpoint_every must be at least 1, got {self.checkpoint_every}")
+
+
+@dataclass
+class TrainerScriptArguments:
+    """run_trainer.py's own switches."""
+
+    auto_config: bool = field(
+        default=False,
+        metadata={
+            "help": "Choose device, precision, batch size, gradient checkpointing and client mode from this "
+            "machine's hardware; flags you give explicitly still win."
+        },
+    )
+    check: bool = field(
+        default=False, metadata={"help": "Run the preflight checklist (p2pd, peers, limits, versions, disk) and exit."}
+    )

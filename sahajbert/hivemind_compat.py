@@ -1,0 +1,148 @@
+"""Every use of hivemind beyond its documented API, in one place; checked against hivemind 1.1.12.
+
+hivemind.Optimizer documents its constructor, `step()`, `zero_grad()`, `local_epoch`, `is_synchronized_with_peers()`,
+`load_state_from_peers()`, `state_dict()`/`load_state_dict()`, `opt` and `shutdown()`. A trainer and the aux peer
+also need what only its internals show: the swarm's progress as its ProgressTracker sees it, the master parameters
+and the background rounds of its TrainingStateAverager, and the averager's matchmaking for the final parameter
+round. Each function says what it relies on. After a hivemind upgrade, check these functions and nothing else:
+`tests/test_stopping.py` runs them against stand-ins shaped like these internals.
+"""
+
+import time
+from dataclasses import dataclass
+
+import hivemind
+import torch
+from hivemind.averaging.control import AveragingStage, StepControl
+from hivemind.utils import get_dht_time
+
+CHECKED_VERSION = "1.1.12"
+# an `average_state_every` that no global step number is a multiple of: no parameter round at the coming steps
+NO_STATE_AVERAGING = 2**62
+
+
+@dataclass(frozen=True)
+class SwarmPosition:
+    """Where this peer and the swarm stand, as hivemind's progress tracker sees them."""
+
+    local_step: int  # this peer's global step (hivemind's local_epoch)
+    swarm_step: int  # the highest global step any peer reports (tracker.global_epoch)
+    peers: int  # peers reporting progress now
+    samples_accumulated: int  # the swarm's samples toward the next global step
+    target_batch_size: int
+    # this peer was matched in advance into the coming gradient all-reduce, which waits for its part
+    gradient_round_waiting: bool
+
+
+def position(optimizer: hivemind.Optimizer) -> SwarmPosition:
+    """Read the swarm's progress: `tracker.global_epoch`, `tracker.global_progress` (num_peers,
+    samples_accumulated, target_batch_size) and `optimizer.scheduled_grads` (a StepControl that hivemind
+    pre-schedules for the next gradient round; its `stage` is AWAITING_TRIGGER once the group is formed)."""
+    progress = optimizer.tracker.global_progress
+    scheduled = optimizer.scheduled_grads
+    return SwarmPosition(
+        local_step=optimizer.local_epoch,
+        swarm_step=optimizer.tracker.global_epoch,
+        peers=progress.num_peers,
+        samples_accumulated=progress.samples_accumulated,
+        target_batch_size=progress.target_batch_size,
+        gradient_round_waiting=scheduled is not None
+        and not scheduled.done()
+        and scheduled.stage == AveragingStage.AWAITING_TRIGGER,
+    )
+
+
+def wait_for_swarm_progress(optimizer: hivemind.Optimizer, timeout: float) -> None:
+    """Block until the tracker has read the swarm's progress once (`tracker.fetched_global_progress_this_epoch`)."""
+    optimizer.tracker.fetched_global_progress_this_epoch.wait(timeout)
+
+
+def own_samples_per_second(optimizer: hivemind.Optimizer) -> float:
+    """This peer's throughput as hivemind measures it (`tracker.performance_ema.samples_per_second`)."""
+    return float(optimizer.tracker.performance_ema.samples_per_second)
+
+
+def report_step(optimizer: hivemind.Optimizer, step: int) -> None:
+    """Tell the swarm this peer is at `step` with no samples (`tracker.report_local_progress`)."""
+    optimizer.tracker.report_local_progress(step, samples_accumulated=0)
+
+
+def master_parameters(optimizer: hivemind.Optimizer) -> list[torch.Tensor]:
+    """The model's parameters as hivemind holds them (`state_averager.main_parameters`); with offload_optimizer
+    the optimizer steps host copies of them (the documented `optimizer.opt.param_groups`)."""
+    return list(optimizer.state_averager.main_parameters)
+
+
+def set_step(optimizer: hivemind.Optimizer, step: int) -> None:
+    """Move this peer to `step` and the learning-rate schedule with it (`state_averager.local_epoch`, then
+    `state_averager._update_scheduler()`, which sets the scheduler to the averager's epoch)."""
+    optimizer.state_averager.local_epoch = step
+    optimizer.state_averager._update_scheduler()
+
+
+def follow_schedule(optimizer: hivemind.Optimizer) -> None:
+    """The learning rate follows the current global step after a state was loaded
+    (`state_averager._update_scheduler()`; `load_state_dict` restores the step but not the scheduler)."""
+    optimizer.state_averager._update_scheduler()
+
+
+def prefer_as_state_donor(optimizer: hivemind.Optimizer) -> None:
+    """Newcomers download the state from this peer first (`state_averager.state_sharing_priority`, highest wins)."""
+    optimizer.state_averager.state_sharing_priority = optimizer.local_epoch
+
+
+def has_pending_updates(optimizer: hivemind.Optimizer) -> bool:
+    """A background optimizer step or averaging round has not been applied yet (`state_averager.pending_updates`)."""
+    return bool(optimizer.state_averager.pending_updates)
+
+
+def apply_pending_updates(optimizer: hivemind.Optimizer, timeout: float) -> bool:
+    """Wait for every background update and apply it to the parameters; False if one still runs after `timeout` s.
+
+    `state_averager.step(wait_for_delayed_updates=True)` waits for each update at most the all-reduce timeout and
+    then leaves it running, so it is called again until `pending_updates` is empty or the time is up.
+    """
+    averager = optimizer.state_averager
+    deadline = time.monotonic() + timeout
+    averager.step(wait_for_delayed_updates=True)
+    while averager.pending_updates and time.monotonic() < deadline:
+        averager.step(wait_for_delayed_updates=True)
+    return not averager.pending_updates
+
+
+def skip_parameter_averaging(optimizer: hivemind.Optimizer) -> None:
+    """No parameter round at the coming global steps (`optimizer.average_state_every`, read at every step)."""
+    optimizer.average_state_every = NO_STATE_AVERAGING
+
+
+def start_parameter_round(optimizer: hivemind.Optimizer, group_bits: str, wait: float, timeout: float) -> StepControl:
+    """Start one parameter all-reduce that matches only peers under `group_bits` and begins in `wait` seconds.
+
+    Relies on: `scheduled_state`/`scheduled_grads` (rounds pre-scheduled for the next step, cancelled while still
+    looking for a group: this peer will not make them), `state_averager.set_group_bits` (the matchmaking key),
+    `schedule_step(scheduled_time, gather, timeout)` (hivemind makes the peer whose wait ends first the leader and
+    starts the all-reduce when that wait ends; `gather` carries this peer's step to the others),
+    `sync_epoch_when_averaging` (peers adopt the highest step gathered, the LR schedule with it), and
+    `state_averager.step(averaging_round=True, averaging_control=..., delay_averaging=True)` (runs the round in the
+    background; its result lands as a pending update). The returned control's result maps each peer to its step.
+    """
+    for scheduled in (optimizer.scheduled_state, optimizer.scheduled_grads):
+        if scheduled is not None and scheduled.stage == AveragingStage.LOOKING_FOR_GROUP:
+            scheduled.cancel()
+    averager = optimizer.state_averager
+    averager.set_group_bits(group_bits)
+    control = averager.schedule_step(
+        scheduled_time=get_dht_time() + wait, gather=optimizer.local_epoch, timeout=timeout
+    )
+    averager.sync_epoch_when_averaging = True
+    averager.step(
+        averaging_round=True, averaging_control=control, delay_averaging=True, averaging_opts={"timeout": timeout}
+    )
+    return control
+
+
+def round_steps(control: StepControl) -> list[int] | None:
+    """The steps gathered from every peer of a finished round, or None if it failed, was cancelled or is running."""
+    if not control.done() or control.cancelled() or control.exception() is not None:
+        return None
+    return sorted(control.result().values())

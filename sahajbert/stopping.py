@@ -1,0 +1,84 @@
+"""When a trainer stops at --max_steps, and how the trainers that stop together end with one model."""
+
+import logging
+import time
+
+import hivemind
+
+from sahajbert import hivemind_compat as compat
+from sahajbert.hivemind_compat import SwarmPosition
+
+logger = logging.getLogger(__name__)
+FINAL_GROUP_BITS = "1"  # the final round's own matchmaking key: it never pairs with another peer's regular round
+
+
+def swarm_reached(position: SwarmPosition, max_steps: int | None) -> bool:
+    """Whether the SWARM is at --max_steps, not only this peer.
+
+    A peer whose step labels lag one behind the others' (it joined or caught up while they stepped) would otherwise
+    see the swarm ahead, step at once to catch up, find no one left to average with and make a last step alone.
+    Stopping on the swarm's step ends it on the same all-reduce as the rest, under a label one lower.
+    """
+    return max_steps is not None and max(position.local_step, position.swarm_step) >= max_steps
+
+
+def should_stop(position: SwarmPosition, max_steps: int | None) -> bool:
+    """The swarm reached --max_steps, and no gradient round this peer was matched into waits for its part.
+
+    hivemind groups peers for a step's all-reduce in advance: when another peer's step takes the swarm to the last
+    step while this one still computes, this peer makes that step too, or the group would wait for its part until
+    next_chunk_timeout and the two would end one update apart.
+    """
+    return swarm_reached(position, max_steps) and not position.gradient_round_waiting
+
+
+def last_step_is_next(position: SwarmPosition, max_steps: int | None) -> bool:
+    """The coming global step is the run's last (hivemind numbers it one past the higher of both steps)."""
+    return max_steps is not None and max(position.local_step + 1, position.swarm_step) >= max_steps
+
+
+class FinalRound:
+    """One last parameter average among the trainers that stop at --max_steps, so that they end with one model.
+
+    With delayed parameter updates each peer applies the run's last update on its own, after its loop, and the
+    parameter averaging that pulls peers together during a run happens inside the next global step, which the last
+    step does not have. hivemind's matchmaking makes the peer whose wait ends first the leader and starts the
+    all-reduce when that wait ends, so every peer that arrives within `window` seconds of the first joins one group.
+    The round matches under its own key and the last global step makes no regular parameter round (see the
+    trainer), so a slower peer's regular round, triggered late, never pairs with it and gives partial results.
+
+    Once started the round always waits out its window: the progress tracker cannot tell whether another peer is
+    still coming, since hivemind stops reporting a peer that caught up by downloading the state at the last step.
+    """
+
+    def __init__(self, window: float, client_mode: bool, averaging_timeout: float):
+        self.window = window
+        # a client-mode peer cannot lead a group, and a leader takes only followers whose own wait ends after its
+        # own: waiting twice the window lets a client join a leader that arrives up to `window` after it
+        self.wait = 2 * window if client_mode else window
+        self.timeout = self.wait + averaging_timeout
+        self.pending_update_timeout = 2 * averaging_timeout
+
+    @staticmethod
+    def needed(peers_now: int, last_step_peers: int) -> bool:
+        """Skip the round only for a peer that was alone both at its last global step and now."""
+        return max(peers_now, last_step_peers) >= 2
+
+    def run(self, optimizer: hivemind.Optimizer, last_step_peers: int) -> int:
+        """Average parameters with the peers that finish within the window; how many took part (0: none joined)."""
+        if not self.needed(compat.position(optimizer).peers, last_step_peers):
+            return 0
+        logger.info(
+            f"averaging parameters with the peers that finish within {self.window:g} s, for a common final model"
+        )
+        control = compat.start_parameter_round(optimizer, FINAL_GROUP_BITS, self.wait, self.timeout)
+        deadline = time.monotonic() + self.timeout + 5.0  # seconds: the round's own timeout ends it first
+        while not control.done() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        compat.apply_pending_updates(optimizer, self.pending_update_timeout)
+        steps = compat.round_steps(control)
+        if steps is None:
+            logger.info("no other peer joined the final parameter round: this peer keeps those of its last round")
+            return 0
+        logger.info(f"final parameters averaged by {len(steps)} peers (their steps: {steps})")
+        return len(steps)

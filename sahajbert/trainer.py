@@ -1,0 +1,395 @@
+"""A volunteer's trainer peer: join the swarm, train on its own stream, take part in global steps, checkpoint.
+
+`TrainerPeer` builds everything a peer needs (tokenizer, model, DHT, hivemind optimizer, compute backend, example
+stream); `run()` is the training loop, read top to bottom; `train()` is the whole life of one peer.
+"""
+
+import copy
+import hashlib
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import hivemind
+import torch
+from accelerate import PartialState
+
+from sahajbert import checkpoints, metrics
+from sahajbert import hivemind_compat as compat
+from sahajbert.arguments import PeerArguments
+from sahajbert.cli import UserError
+from sahajbert.collators import PretrainingCollator
+from sahajbert.compute import build_compute
+from sahajbert.devices import DeviceInfo, choose_precision, describe_device
+from sahajbert.model import build_model
+from sahajbert.optim import build_collaborative_optimizer, is_finite
+from sahajbert.signals import StopRequest
+from sahajbert.stopping import FinalRound, last_step_is_next, should_stop
+from sahajbert.stream import Prefetcher, batched, iterate_examples
+from sahajbert.swarm import SwarmPeer, validate_initial_peers
+from sahajbert.tokenization import load_tokenizer
+from sahajbert.train_log import StepRecord, TrainLog
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    final_step: int
+    steps: list[StepRecord] = field(default_factory=list)  # also written to train_log.jsonl
+    checkpoint: Path | None = None
+
+
+@dataclass
+class StepCounters:
+    """This peer's work toward the global step in progress; a new one starts after every global step."""
+
+    loss_sum: float = 0.0  # summed over passes, each pass's loss the mean over its accumulated batches
+    passes: int = 0
+    samples: int = 0
+    compute_seconds: float = 0.0  # forward and backward only
+
+
+def train(peer_args: PeerArguments) -> TrainResult:
+    """Run one trainer peer until --max_steps, SIGINT or SIGTERM; it always leaves the swarm cleanly."""
+    with TrainerPeer(peer_args) as peer, StopRequest() as stop:
+        return peer.run(stop)
+
+
+def peer_seed(run_seed: int, public_key: bytes) -> int:
+    """Each peer's data order: the run seed mixed with this peer's public key, so no two peers share a stream."""
+    return (run_seed * 1_000_003 + int.from_bytes(hashlib.sha256(public_key).digest()[:4], "little")) % 2**31
+
+
+class TrainerPeer(SwarmPeer):
+    """One trainer in the swarm; use as a context manager, so that it always leaves the swarm."""
+
+    def __init__(self, peer_args: PeerArguments):
+        self.args = peer_args
+        swarm_args, training_args = peer_args.swarm_args, peer_args.training_args
+        validate_initial_peers(swarm_args.initial_peers)  # answer a typo at once, before loading anything
+        self.tokenizer = load_tokenizer(peer_args.corpus_args.tokenizer_path)
+        device_info = describe_device(training_args.device)
+        precision = choose_precision(device_info, training_args.precision)
+        forward_batch = training_args.per_device_train_batch_size * device_info.cores
+        self.samples_per_pass = forward_batch * training_args.gradient_accumulation_steps
+        logger.info(
+            f"computing on {device_info.name} in {precision}; {self.samples_per_pass} samples per pass "
+            f"({training_args.per_device_train_batch_size} per core x {device_info.cores} core(s) x "
+            f"{training_args.gradient_accumulation_steps} accumulation)"
+        )
+        self.output_dir = Path(training_args.output_dir)
+        resume_from = checkpoints.latest_checkpoint(self.output_dir)
+        self.model = self._build_model(resume_from, device_info)
+
+        self._join(swarm_args)
+        self.batches: Prefetcher | None = None
+        try:
+            self.optimizer = build_collaborative_optimizer(
+                self.model, self.dht, peer_args, batch_size_per_step=self.samples_per_pass
+            )
+            if resume_from is not None:
+                self._restore_optimizer(resume_from)
+            self.state_missing = self._catch_up_with_swarm()
+            self.compute = build_compute(self.model, device_info, precision)
+            self.batches = self._build_stream(forward_batch, on_xla=device_info.kind == "tpu")
+        except BaseException:
+            self.close()
+            raise
+
+        self.good_state = LastGoodState(self.optimizer, pending_update_timeout=self._pending_update_timeout)
+        self.train_log = TrainLog(self.output_dir)
+        # trainers that stop at --max_steps average their parameters once more (sahajbert.stopping.FinalRound)
+        averaging_args = peer_args.averaging_args
+        self.final_round = (
+            FinalRound(averaging_args.final_averaging_window, swarm_args.client_mode, averaging_args.averaging_timeout)
+            if training_args.max_steps is not None and averaging_args.final_averaging_window > 0
+            else None
+        )
+        self.counters = StepCounters()
+        self.last_step = self.optimizer.local_epoch  # the global step of the last record
+        self.contributed = 0  # samples this peer contributed to global steps, since it started
+        self.dropped_passes = 0
+        self.result = TrainResult(final_step=self.optimizer.local_epoch)
+        self._last_progress_line = time.monotonic()
+
+    def _build_model(self, resume_from: Path | None, device_info: DeviceInfo) -> torch.nn.Module:
+        """The model from this peer's latest checkpoint, else freshly initialized with the run's seed."""
+        training_args = self.args.training_args
+        if resume_from is not None:
+            logger.info(f"resuming from {resume_from}")
+            checkpoints.read_state(resume_from)  # a broken checkpoint is reported now, before joining anything
+        model = build_model(self.args.model_args.model, self.tokenizer, training_args.seed, resume_from)
+        # the host keeps the model hivemind averages; an XLA host computes on a device copy of it (sahajbert.xla)
+        on_xla = device_info.kind == "tpu"
+        model.to("cpu" if on_xla else PartialState(cpu=device_info.kind == "cpu").device)
+        if training_args.gradient_checkpointing:
+            if not model.supports_gradient_checkpointing:
+                raise UserError("--gradient_checkpointing is not supported by this model")
+            model.gradient_checkpointing_enable()
+        return model.train()
+
+    def _build_stream(self, forward_batch: int, on_xla: bool) -> Prefetcher:
+        """This peer's endless stream of collated batches, in its own order (its seed mixes in its public key)."""
+        corpus_args = self.args.corpus_args
+        seed = peer_seed(self.args.training_args.seed, self.public_key)
+        collator = PretrainingCollator.from_tokenizer(
+            self.tokenizer,
+            mlm_probability=corpus_args.mlm_probability,
+            whole_word_masking=corpus_args.masking == "whole_word",
+            # XLA compiles per shape: every batch is padded to the full length, so the step compiles once
+            pad_to_multiple_of=corpus_args.max_seq_length if on_xla else corpus_args.pad_to_multiple_of,
+            seed=seed,
+        )
+        examples = iterate_examples(corpus_args, self.tokenizer, seed=seed)
+        return Prefetcher(batched(examples, forward_batch, collator))
+
+    def close(self) -> None:
+        """Stop the stream, then leave the swarm."""
+        if self.batches is not None:
+            self.batches.close()
+        super().close()
+
+    # ---- the training loop ----
+
+    def run(self, stop: StopRequest) -> TrainResult:
+        """Train until the swarm reaches --max_steps or a stop is requested, then end the run with the others."""
+        self.good_state.save()
+        while not (stop or self._should_stop()):
+            pass_loss = self._forward_backward()
+            if pass_loss is None:
+                continue  # non-finite loss or gradients: this pass was dropped, nothing was sent
+            if self._should_stop():
+                break  # the swarm got there during this pass, in a round without us: do not step alone
+            host_changed = self._step(pass_loss)
+            if self.optimizer.local_epoch != self.last_step:
+                self._after_global_step()
+                host_changed = True
+            if host_changed:
+                self.compute.push_parameters()
+            self._log_progress()
+        return self._finish(stopped=bool(stop))
+
+    def _should_stop(self) -> bool:
+        return should_stop(compat.position(self.optimizer), self.args.training_args.max_steps)
+
+    def _forward_backward(self) -> float | None:
+        """One pass (gradient accumulation included); its loss, or None if it was dropped as non-finite."""
+        accumulation = self.args.training_args.gradient_accumulation_steps
+        started = time.perf_counter()
+        losses = [self.compute.backward(next(self.batches), 1.0 / accumulation) for _ in range(accumulation)]
+        self.compute.finish_pass()  # XLA: run the traced pass and bring its gradients to the host model
+        pass_loss = sum(loss.item() for loss in losses)
+        self.counters.compute_seconds += time.perf_counter() - started
+        # never send non-finite gradients to the swarm (with fp16, hivemind's GradScaler does this check)
+        if self.compute.scaler is None and not (
+            is_finite([torch.tensor(pass_loss)]) and is_finite(p.grad for p in self.model.parameters())
+        ):
+            self.dropped_passes += 1
+            logger.warning(f"non-finite loss or gradients: this batch is dropped ({self.dropped_passes} so far)")
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
+        return pass_loss
+
+    def _step(self, pass_loss: float) -> bool:
+        """Hand the pass to hivemind, which steps when the swarm's batch is full; True if the parameters changed."""
+        # hivemind changes the host parameters in a step that starts a new global step and, with delayed updates,
+        # in the first step after a background update was pending: only then does a device copy need them again
+        updates_pending = compat.has_pending_updates(self.optimizer)
+        step_before = self.optimizer.local_epoch
+        if self.final_round is not None and last_step_is_next(
+            compat.position(self.optimizer), self.args.training_args.max_steps
+        ):
+            # the final round replaces this step's parameter averaging: a background round still pending would
+            # hold this peer back from it, or pair with another peer's final round and be triggered late
+            compat.skip_parameter_averaging(self.optimizer)
+        scaler = self.compute.scaler
+        self.optimizer.step(batch_size=self.samples_per_pass, grad_scaler=scaler)
+        self.optimizer.zero_grad(set_to_none=True)
+        if scaler is not None:
+            scaler.update()
+        self.counters.loss_sum += pass_loss
+        self.counters.passes += 1
+        self.counters.samples += self.samples_per_pass
+        return updates_pending or self.optimizer.local_epoch != step_before
+
+    def _after_global_step(self) -> None:
+        """The swarm made a global step: check the parameters, publish this peer's metrics, log, checkpoint."""
+        if self.state_missing and self._download_state():
+            self.state_missing = False
+            logger.info(f"downloaded the swarm's state at global step {self.optimizer.local_epoch}")
+        self.good_state.keep_or_roll_back()
+        record = self._record_step()
+        self.result.steps.append(record)
+        self.train_log.append(record)
+        if record.step % self.args.training_args.save_steps == 0:
+            self._save(record.loss)
+        self.counters = StepCounters()
+        self.last_step = self.optimizer.local_epoch
+
+    def _record_step(self) -> StepRecord:
+        """This peer's record of the global step just made; published to the swarm and logged in one line."""
+        counters, step = self.counters, self.optimizer.local_epoch
+        self.contributed += counters.samples
+        samples_per_second = compat.own_samples_per_second(self.optimizer)
+        if self.optimizer.is_synchronized_with_peers():  # a peer that is behind would report a stale step
+            local = metrics.LocalMetrics(
+                step=step,
+                samples_per_second=samples_per_second,
+                samples_accumulated=counters.samples,
+                loss=float(counters.loss_sum),
+                mini_steps=counters.passes,
+            )
+            metrics.publish(self.dht, self.args.swarm_args.run_id, self.public_key, local)
+        record = StepRecord(
+            step=step,
+            loss=counters.loss_sum / max(1, counters.passes),
+            mini_steps=counters.passes,
+            samples=counters.samples,
+            peers=compat.position(self.optimizer).peers,
+            samples_per_second=samples_per_second,
+            time=time.time(),
+            compute_seconds=counters.compute_seconds,
+        )
+        logger.info(
+            f"global step {step} | loss {record.loss:.4f} | {samples_per_second:.1f} samples/s | "
+            f"{record.peers} peer(s) | this peer contributed {self.contributed} samples so far"
+        )
+        return record
+
+    def _log_progress(self) -> None:
+        """Every --log_every_seconds: the swarm's progress toward the next global step."""
+        if time.monotonic() - self._last_progress_line < self.args.training_args.log_every_seconds:
+            return
+        position = compat.position(self.optimizer)
+        logger.info(
+            f"step {position.local_step}: {position.samples_accumulated}/{position.target_batch_size} samples toward "
+            f"the next step from {position.peers} peer(s); "
+            f"this peer {compat.own_samples_per_second(self.optimizer):.1f} samples/s"
+        )
+        self._last_progress_line = time.monotonic()
+
+    def _finish(self, stopped: bool) -> TrainResult:
+        """Apply what still runs in the background, take part in the final round, write the final checkpoint."""
+        self._apply_pending_updates()
+        averaged_at_end = 0
+        if self.final_round is not None and not stopped:
+            last_step_peers = self.result.steps[-1].peers if self.result.steps else 0
+            averaged_at_end = self.final_round.run(self.optimizer, last_step_peers)
+        self.compute.finish()  # an XLA device copy ends with the final parameters too
+        self.result.final_step = self.optimizer.local_epoch
+        # always written again at the end: a background round may have changed the parameters after the last save
+        if self.result.steps or averaged_at_end:
+            self._save(self.result.steps[-1].loss if self.result.steps else None)
+        logger.info(f"stopped at global step {self.optimizer.local_epoch}" + (" (stop requested)" if stopped else ""))
+        return self.result
+
+    # ---- joining, state and checkpoints ----
+
+    def _restore_optimizer(self, checkpoint: Path) -> None:
+        state = checkpoints.load_optimizer_state(checkpoint)
+        if state is not None:
+            self.optimizer.load_state_dict(state)
+            compat.follow_schedule(self.optimizer)  # the LR follows the restored global step
+
+    def _catch_up_with_swarm(self, timeout: float = 30.0) -> bool:
+        """Download the swarm's state now if it is ahead (instead of on the first step, silently).
+
+        Ahead means: trainers report a later global step, or an aux peer announces a state to rescue the run from.
+        Returns True if the swarm is ahead and no peer could share its state, so that the loop retries.
+        """
+        compat.wait_for_swarm_progress(self.optimizer, timeout)
+        swarm_step = max(
+            compat.position(self.optimizer).swarm_step,
+            metrics.fetch_announced_step(self.dht, self.args.swarm_args.run_id),
+        )
+        if self.optimizer.local_epoch >= swarm_step:
+            return False
+        logger.info(f"the swarm is at step {swarm_step}: downloading its state from peers")
+        if self._download_state():
+            logger.info(f"joined at global step {self.optimizer.local_epoch}")
+            return False
+        logger.warning(
+            f"no peer could share the swarm's state (client-mode peers cannot serve it): training from step "
+            f"{self.optimizer.local_epoch} with this peer's own optimizer state and retrying after every global step"
+        )
+        return True
+
+    @torch.no_grad()
+    def _download_state(self) -> bool:
+        """hivemind's load_state_from_peers, and whether it really brought a state.
+
+        When no peer answers, hivemind still moves a peer that is one step behind to the swarm's step (to tolerate
+        a lagging peer), and a newcomer would then train with its own fresh optimizer statistics. A state that
+        arrived changes the parameters: the swarm is at least one step past this peer's.
+        """
+        before = [p.detach().clone() for p in compat.master_parameters(self.optimizer)]
+        self.optimizer.load_state_from_peers()
+        return any(not torch.equal(a, p) for a, p in zip(before, compat.master_parameters(self.optimizer)))
+
+    @property
+    def _pending_update_timeout(self) -> float:
+        return 2 * self.args.averaging_args.averaging_timeout  # seconds
+
+    def _apply_pending_updates(self) -> None:
+        """Wait for every background step and averaging round; a checkpoint must not miss one that lands late."""
+        if not compat.apply_pending_updates(self.optimizer, self._pending_update_timeout):
+            logger.warning("a background averaging round is still running: these parameters may miss its result")
+
+    def _save(self, loss: float | None) -> None:
+        self._apply_pending_updates()  # save parameters with every step applied
+        self.result.checkpoint = checkpoints.save_checkpoint(
+            self.output_dir,
+            self.optimizer.local_epoch,
+            self.model,
+            self.tokenizer,
+            optimizer_state=self.optimizer.state_dict(),
+            state={"loss": loss},
+            keep=self.args.training_args.keep_checkpoints,
+        )
+
+
+class LastGoodState:
+    """A host copy of parameters and optimizer state after the last healthy global step, to roll back to."""
+
+    def __init__(self, optimizer: hivemind.Optimizer, pending_update_timeout: float):
+        self.optimizer = optimizer
+        self.pending_update_timeout = pending_update_timeout
+        self.parameters: list[torch.Tensor] = []
+        self.optimizer_state: dict | None = None
+
+    def keep_or_roll_back(self) -> bool:
+        """After a global step: keep healthy parameters as the new good state (True), or restore the last one."""
+        if self.parameters_finite():
+            self.save()
+            return True
+        step = self.optimizer.local_epoch
+        logger.warning(f"parameters became non-finite at step {step}: rolling back to the last good state")
+        # every round still running lands first: one that landed after the restore would bring the bad values back
+        compat.apply_pending_updates(self.optimizer, self.pending_update_timeout)
+        self.restore()
+        return False
+
+    def _tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        offloaded = [p for group in self.optimizer.opt.param_groups for p in group["params"]]
+        return compat.master_parameters(self.optimizer), offloaded
+
+    def parameters_finite(self) -> bool:
+        main, offloaded = self._tensors()
+        return is_finite(main) and is_finite(offloaded)
+
+    @torch.no_grad()
+    def save(self) -> None:
+        main, _ = self._tensors()
+        self.parameters = [p.detach().to("cpu", copy=True) for p in main]
+        self.optimizer_state = copy.deepcopy(self.optimizer.opt.state_dict())
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        main, offloaded = self._tensors()
+        # with offload_optimizer the optimizer steps host copies of the model's parameters: both are restored
+        for saved, target, copy_ in zip(self.parameters, main, offloaded):
+            target.copy_(saved)
+            copy_.copy_(saved)
+        self.optimizer.opt.load_state_dict(copy.deepcopy(self.optimizer_state))

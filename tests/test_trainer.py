@@ -1,0 +1,37 @@
+"""TrainerPeer in this process, alone in its swarm: the whole loop on the tiny model, in seconds."""
+
+import torch
+
+from sahajbert.arguments import PeerArguments
+from sahajbert.checkpoints import list_checkpoints
+from sahajbert.cli import parse_args
+from sahajbert.compute import Compute, LocalCompute
+from sahajbert.localswarm import tiny_trainer_flags
+from sahajbert.signals import StopRequest
+from sahajbert.train_log import StepRecord, read_train_log
+from sahajbert.trainer import TrainerPeer
+
+
+def test_a_lone_trainer_makes_its_global_steps_logs_and_saves_them(tmp_path):
+    flags = tiny_trainer_flags(target_batch_size=16, max_steps=3, save_steps=2, output_dir=tmp_path)
+    (peer_args,) = parse_args((PeerArguments,), flags)
+    with TrainerPeer(peer_args) as peer:
+        assert isinstance(peer.compute, LocalCompute) and isinstance(peer.compute, Compute)
+        assert peer.final_round is not None, "a run with --max_steps ends in a final round (skipped when alone)"
+        result = peer.run(StopRequest())
+    # 16 samples per global step, 8 per pass: two passes toward each of the three steps
+    assert result.final_step == 3 and [r.step for r in result.steps] == [1, 2, 3]
+    assert all(isinstance(r, StepRecord) and r.mini_steps == 2 and r.samples == 16 for r in result.steps)
+    assert all(r.peers <= 1 and torch.isfinite(torch.tensor(r.loss)) for r in result.steps), "no other peer"
+    assert read_train_log(tmp_path) == result.steps, "train_log.jsonl holds exactly the records the trainer made"
+    # step 2 by --save_steps, step 3 as the final checkpoint
+    assert [step for step, _ in list_checkpoints(tmp_path)] == [2, 3] and result.checkpoint.name == "checkpoint-3"
+
+
+def test_a_stop_request_ends_the_loop_before_any_step(tmp_path):
+    (peer_args,) = parse_args((PeerArguments,), tiny_trainer_flags(max_steps=3, output_dir=tmp_path))
+    stop = StopRequest()
+    stop.event.set()
+    with TrainerPeer(peer_args) as peer:
+        result = peer.run(stop)
+    assert result.steps == [] and result.final_step == 0 and list_checkpoints(tmp_path) == []

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sahajbert.arguments import FinetuneArguments, FinetuneTrainingArguments
 from sahajbert.cli import UserError
 
 logger = logging.getLogger(__name__)
@@ -108,15 +109,16 @@ def read_news_file(path: str) -> list[dict]:
     return [{"text": row["text"], "label": row["label"]} for row in rows]
 
 
-def load_task_data(task: Task, args) -> dict[str, list[dict]]:
+def load_task_data(task: Task, finetune_args: FinetuneArguments) -> dict[str, list[dict]]:
     """train/validation/test as lists of records with label NAMES, from local files or the Hub."""
-    if args.train_file:
+    if finetune_args.train_file:
         reader = read_ner_file if task.name == "ner" else read_news_file
-        data = {split: reader(getattr(args, f"{split}_file")) for split in SPLITS}
+        data = {split: reader(getattr(finetune_args, f"{split}_file")) for split in SPLITS}
     else:
         from datasets import load_dataset
 
-        name, config = args.dataset_name or task.dataset_name, args.dataset_config or task.dataset_config
+        name = finetune_args.dataset_name or task.dataset_name
+        config = finetune_args.dataset_config or task.dataset_config
         try:
             hub = load_dataset(name, config)
         except Exception as e:
@@ -133,8 +135,8 @@ def load_task_data(task: Task, args) -> dict[str, list[dict]]:
     for split, records in data.items():
         if not records:
             raise UserError(f"the {split} split is empty")
-    if args.max_train_samples:
-        data["train"] = data["train"][: args.max_train_samples]
+    if finetune_args.max_train_samples:
+        data["train"] = data["train"][: finetune_args.max_train_samples]
     return data
 
 
@@ -215,7 +217,7 @@ def majority_baseline(task: Task, train: list[dict], test: list[dict]) -> dict[s
     return {"accuracy": sum(r["label"] == majority for r in test) / len(test)}
 
 
-def run_task(task_name: str, finetune_args, training_args) -> dict:
+def run_task(task_name: str, finetune_args: FinetuneArguments, training_args: FinetuneTrainingArguments) -> dict:
     """Fine-tune, evaluate every epoch, keep the best, early-stop, score the test split; write results.json."""
     import torch
     from transformers import (

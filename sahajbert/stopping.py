@@ -12,6 +12,12 @@ logger = logging.getLogger(__name__)
 FINAL_GROUP_BITS = "1"  # the final round's own matchmaking key: it never pairs with another peer's regular round
 
 
+def pending_update_timeout(averaging_timeout: float) -> float:
+    """Seconds to wait for background rounds still running before parameters are saved, restored or averaged once
+    more: twice the all-reduce timeout, since hivemind's own wait gives up after one."""
+    return 2 * averaging_timeout
+
+
 def swarm_reached(position: SwarmPosition, max_steps: int | None) -> bool:
     """Whether the SWARM is at --max_steps, not only this peer.
 
@@ -57,7 +63,7 @@ class FinalRound:
         # own: waiting twice the window lets a client join a leader that arrives up to `window` after it
         self.wait = 2 * window if client_mode else window
         self.timeout = self.wait + averaging_timeout
-        self.pending_update_timeout = 2 * averaging_timeout
+        self.pending_update_timeout = pending_update_timeout(averaging_timeout)
 
     @staticmethod
     def needed(peers_now: int, last_step_peers: int) -> bool:

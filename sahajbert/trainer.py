@@ -25,7 +25,7 @@ from sahajbert.devices import DeviceInfo, choose_precision, describe_device
 from sahajbert.model import build_model
 from sahajbert.optim import build_collaborative_optimizer, is_finite
 from sahajbert.signals import StopRequest
-from sahajbert.stopping import FinalRound, last_step_is_next, should_stop
+from sahajbert.stopping import FinalRound, last_step_is_next, pending_update_timeout, should_stop
 from sahajbert.stream import Prefetcher, batched, iterate_examples
 from sahajbert.swarm import SwarmPeer, validate_initial_peers
 from sahajbert.tokenization import load_tokenizer
@@ -330,7 +330,7 @@ class TrainerPeer(SwarmPeer):
 
     @property
     def _pending_update_timeout(self) -> float:
-        return 2 * self.args.averaging_args.averaging_timeout  # seconds
+        return pending_update_timeout(self.args.averaging_args.averaging_timeout)
 
     def _apply_pending_updates(self) -> None:
         """Wait for every background step and averaging round; a checkpoint must not miss one that lands late."""

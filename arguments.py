@@ -2,8 +2,8 @@
 """Every flag of every script, one group per concern: `python arguments.py` prints them all with their help.
 
 The groups are dataclasses defined once in `sahajbert/arguments.py` (the library types its parameters with them)
-and re-exported here. Each script's `--help` shows the groups it takes; each also accepts one `.json` file of
-these fields instead of flags.
+and re-exported here. Each script's `--help` shows the flags it takes, one group per concern; each also accepts a
+settings `.json` file of these fields before its flags, which override it.
 
 | group | what it sets | scripts |
 |---|---|---|
@@ -66,9 +66,11 @@ OWN_GROUPS += [TokenizerTrainingArguments, PreviewArguments, FinetuneArguments, 
 def main(argv=None) -> int:
     import argparse
 
-    from transformers import HfArgumentParser
+    from sahajbert.cli import Flags, help_text
 
-    parser = argparse.ArgumentParser(description="Print every flag of every script, group by group, with its help.")
+    parser = argparse.ArgumentParser(
+        description="Print every flag of every script, group by group, with its help.", allow_abbrev=False
+    )
     parser.add_argument("groups", nargs="*", help="only these groups, e.g. SwarmArguments (default: all)")
     names = parser.parse_args(argv).groups
     unknown = set(names) - {group.__name__ for group in OWN_GROUPS}
@@ -78,8 +80,10 @@ def main(argv=None) -> int:
         if names and group.__name__ not in names:
             continue
         print(f"## {group.__name__}: {group.__doc__.strip().splitlines()[0]}\n")
-        options = HfArgumentParser(group).format_help().split("options:", 1)[1]
-        print(options.split("\n", 2)[2].rstrip() + "\n")  # without the -h/--help line every group has
+        text = help_text(Flags((group,)), group.__name__)
+        # the group's flags: after its "title:" line and its description (printed above)
+        block = text.split(f"\n{getattr(group, 'TITLE', group.__name__)}:\n", 1)[1]
+        print(block.split("\n", 1)[1].strip("\n") + "\n")
     return 0
 
 

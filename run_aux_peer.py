@@ -6,12 +6,40 @@ all-reduce without training, and can serve a saved state to rescue a run whose p
 """
 
 from sahajbert.arguments import AuxPeerArguments, PeerArguments
-from sahajbert.cli import parse_args, run, setup_logging
+from sahajbert.cli import Flags, parse_args, run, setup_logging
+
+# the aux peer trains nothing: no batch, device or data flags, and no final round (that is the trainers' ending)
+TRAINER_ONLY = {
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "max_steps",
+    "precision",
+    "device",
+    "gradient_checkpointing",
+    "save_steps",
+    "log_every_seconds",
+    "final_averaging_window",
+    "sources",
+    "source_probabilities",
+    "data_files",
+    "shuffle_buffer",
+    "max_seq_length",
+    "short_seq_prob",
+    "mlm_probability",
+    "masking",
+    "pad_to_multiple_of",
+}
+FLAGS = Flags(
+    (PeerArguments, AuxPeerArguments),
+    description="The organizer's aux peer: monitor the swarm, checkpoint its state, upload it, assist averaging.",
+    skip=frozenset(TRAINER_ONLY),
+    defaults={"output_dir": "outputs/aux"},
+)
 
 
 def main(argv=None) -> int:
     setup_logging()
-    peer_args, aux_args = parse_args((PeerArguments, AuxPeerArguments), argv)
+    peer_args, aux_args = parse_args(FLAGS, argv)
     from sahajbert.auxiliary import run_aux_peer
 
     run_aux_peer(peer_args, aux_args)

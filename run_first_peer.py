@@ -4,16 +4,26 @@
 import logging
 
 from sahajbert.arguments import SwarmArguments
-from sahajbert.cli import parse_args, run, setup_logging
+from sahajbert.cli import Flags, UserError, parse_args, run, setup_logging
 
 logger = logging.getLogger("first_peer")
+FLAGS = Flags(
+    (SwarmArguments,),
+    description="Start a run: a DHT node that prints the --initial_peers line volunteers paste, until Ctrl+C.",
+    hidden=frozenset({"client_mode"}),  # refused below: the peer everyone dials must accept connections
+)
 
 
 def main(argv=None) -> int:
     setup_logging()
-    (swarm_args,) = parse_args((SwarmArguments,), argv)
+    (swarm_args,) = parse_args(FLAGS, argv)
+    if swarm_args.client_mode:
+        raise UserError(
+            "the first peer cannot run with --client_mode: every volunteer connects to it, so it must accept "
+            "connections (run it on a machine with a reachable port; volunteers behind NAT use --client_mode)"
+        )
     from sahajbert.metrics import make_validators
-    from sahajbert.signals import StopRequest
+    from sahajbert.signals import StopRequest, ignoring_signals
     from sahajbert.swarm import build_dht, initial_peers_line
 
     validators, _ = make_validators(swarm_args.run_id)  # the first peer stores and serves metrics: it validates too
@@ -22,11 +32,12 @@ def main(argv=None) -> int:
         line = initial_peers_line(dht)
         logger.info(f"run '{swarm_args.run_id}' is open. Volunteers join with:")
         print(f"python run_trainer.py --run_id {swarm_args.run_id} {line}", flush=True)
-        with StopRequest() as stop:
+        with StopRequest("stopping") as stop:
             while not stop.event.wait(timeout=1.0):  # the DHT serves peers in its own process; we only wait
                 pass
     finally:
-        dht.shutdown()
+        with ignoring_signals():  # leaving takes a moment; a second Ctrl+C must not leave the p2p daemon behind
+            dht.shutdown()
     logger.info("first peer stopped")
     return 0
 

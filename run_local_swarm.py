@@ -7,10 +7,14 @@ import time
 from pathlib import Path
 
 from sahajbert.arguments import LocalSwarmArguments
-from sahajbert.cli import parse_args, run, setup_logging
+from sahajbert.cli import Flags, parse_args, run, setup_logging
 
 logger = logging.getLogger("local_swarm")
 HERE = Path(__file__).resolve().parent  # the trainer and first-peer scripts beside this one
+FLAGS = Flags(
+    (LocalSwarmArguments,),
+    description="The demo: a first peer and trainers on 127.0.0.1 train the tiny ALBERT on the bundled sample.",
+)
 
 
 def trainer_args(args: LocalSwarmArguments, initial_peers: list[str], index: int) -> list[str]:
@@ -26,7 +30,7 @@ def trainer_args(args: LocalSwarmArguments, initial_peers: list[str], index: int
 
 def main(argv=None) -> int:
     setup_logging()
-    (args,) = parse_args((LocalSwarmArguments,), argv)
+    (args,) = parse_args(FLAGS, argv)
     from transformers import AlbertForPreTraining
 
     from sahajbert.checkpoints import latest_checkpoint

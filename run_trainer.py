@@ -7,23 +7,27 @@
 import sys
 
 from sahajbert.arguments import PeerArguments, TrainerScriptArguments
-from sahajbert.cli import parse_args, run, setup_logging
+from sahajbert.cli import Flags, parse_args, run, setup_logging
 
-ARGUMENTS = (PeerArguments, TrainerScriptArguments)
+FLAGS = Flags(
+    (PeerArguments, TrainerScriptArguments),
+    description="A volunteer's trainer peer: join a run with the line run_first_peer.py printed, and train.",
+)
 
 
 def main(argv=None) -> int:
     setup_logging()
     argv = list(sys.argv[1:] if argv is None else argv)
-    peer_args, script_args = parse_args(ARGUMENTS, argv)
+    peer_args, script_args = parse_args(FLAGS, argv)
     if script_args.auto_config:
         from sahajbert.devices import auto_configure, describe_device
 
         device = describe_device(peer_args.training_args.device)
         hardware = auto_configure(device)
         print(f"auto config for {device.name}: {' '.join(hardware.as_flags())}", flush=True)
-        # explicit flags come after the automatic ones, so they win
-        peer_args, script_args = parse_args(ARGUMENTS, hardware.as_flags() + argv)
+        # explicit flags come after the automatic ones, so they win (a settings file stays first)
+        settings = argv[:1] if argv and argv[0].endswith(".json") else []
+        peer_args, script_args = parse_args(FLAGS, settings + hardware.as_flags() + argv[len(settings) :])
     if script_args.check:
         from sahajbert.preflight import run_checks
 

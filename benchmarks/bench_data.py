@@ -72,7 +72,7 @@ def measure(make_examples, tokenizer, documents, max_seq_length, batch_size, col
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--repeats", type=int, default=20, help="passes over the bundled sample corpus")
     parser.add_argument("--max_seq_length", type=int, default=512, help="tokens per example")
     parser.add_argument("--batch_size", type=int, default=8, help="examples per collated batch")

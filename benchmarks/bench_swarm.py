@@ -88,7 +88,7 @@ def swarm(args, workdir: Path, peers: int) -> tuple[float, float]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--model", default="tiny", help="model preset")
     parser.add_argument("--max_seq_length", type=int, default=128, help="tokens per example")
     parser.add_argument("--batch_size", type=int, default=16, help="examples per forward/backward")

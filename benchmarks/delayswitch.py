@@ -91,7 +91,7 @@ class DelaySwitch:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument(
         "--port", type=parse_port, action="append", required=True, help="NAME:ONE_WAY_MS, once per port"
     )

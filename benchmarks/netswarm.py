@@ -394,7 +394,7 @@ def print_table(result: dict) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument(
         "--profile", choices=sorted(PROFILES), default="broadband", help="link profile of every trainer"
     )

@@ -5,15 +5,21 @@ import itertools
 import json
 
 from sahajbert.arguments import CorpusArguments, PreviewArguments
-from sahajbert.cli import parse_args, run, setup_logging
+from sahajbert.cli import Flags, parse_args, run, setup_logging
 from sahajbert.collators import IGNORE_INDEX, PretrainingCollator
 from sahajbert.stream import iterate_examples
 from sahajbert.tokenization import load_tokenizer
 
+FLAGS = Flags(
+    (CorpusArguments, PreviewArguments),
+    description="Show what the model trains on: A/B segments, the sentence-order label and the masked positions.",
+    skip=frozenset({"pad_to_multiple_of"}),
+)
+
 
 def main(argv=None) -> int:
     setup_logging()
-    corpus_args, args = parse_args((CorpusArguments, PreviewArguments), argv)
+    corpus_args, args = parse_args(FLAGS, argv)
     tokenizer = load_tokenizer(corpus_args.tokenizer_path)
     collator = PretrainingCollator.from_tokenizer(
         tokenizer,

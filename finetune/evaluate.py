@@ -6,15 +6,19 @@ import logging
 import shlex
 from pathlib import Path
 
-from sahajbert.arguments import EvaluationArguments, FinetuneArguments, FinetuneTrainingArguments
-from sahajbert.cli import UserError, parse_args, run, setup_logging
+from sahajbert.arguments import EvaluationArguments, finetune_flags
+from sahajbert.cli import Flags, UserError, parse_args, run, setup_logging
 
 logger = logging.getLogger("evaluate")
+FLAGS = Flags(
+    (EvaluationArguments,),
+    description="Both downstream tasks, several seeds, one or more models: the paper's table (mean ± std).",
+)
 
 
 def main(argv=None) -> int:
     setup_logging()
-    (args,) = parse_args((EvaluationArguments,), argv)
+    (args,) = parse_args(FLAGS, argv)
     from sahajbert.finetuning import TASKS, markdown_table, run_task, summarize
 
     unknown = sorted(set(args.tasks) - set(TASKS))
@@ -29,7 +33,10 @@ def main(argv=None) -> int:
             for seed in args.seeds:
                 run_dir = output_dir / f"model{model_index}" / task / f"seed{seed}"
                 flags = ["--model_name_or_path", model, "--seed", str(seed), "--output_dir", str(run_dir), *extra]
-                plan.append((model, task, seed, parse_args((FinetuneArguments, FinetuneTrainingArguments), flags)))
+                try:
+                    plan.append((model, task, seed, parse_args(finetune_flags(task), flags)))
+                except UserError as e:
+                    raise UserError(f"--{task}_args: {e}") from e
     runs = []
     for model, task, seed, (finetune_args, training_args) in plan:
         logger.info(f"{model} / {task} / seed {seed}")

@@ -1,13 +1,13 @@
 #!/usr/bin/env python
 """Fine-tune on Bengali news classification (IndicGLUE sna.bn, or local CSV/JSONL files): accuracy, macro-F1."""
 
-from sahajbert.arguments import FinetuneArguments, FinetuneTrainingArguments
+from sahajbert.arguments import finetune_flags
 from sahajbert.cli import parse_args, run, setup_logging
 
 
 def main(argv=None) -> int:
     setup_logging()
-    finetune_args, training_args = parse_args((FinetuneArguments, FinetuneTrainingArguments), argv)
+    finetune_args, training_args = parse_args(finetune_flags("ncc"), argv)
     from sahajbert.finetuning import run_task
 
     run_task("ncc", finetune_args, training_args)

@@ -1,13 +1,13 @@
 #!/usr/bin/env python
 """Fine-tune on Bengali NER (WikiANN bn, or local CoNLL/JSONL files) and score with seqeval."""
 
-from sahajbert.arguments import FinetuneArguments, FinetuneTrainingArguments
+from sahajbert.arguments import finetune_flags
 from sahajbert.cli import parse_args, run, setup_logging
 
 
 def main(argv=None) -> int:
     setup_logging()
-    finetune_args, training_args = parse_args((FinetuneArguments, FinetuneTrainingArguments), argv)
+    finetune_args, training_args = parse_args(finetune_flags("ner"), argv)
     from sahajbert.finetuning import run_task
 
     run_task("ner", finetune_args, training_args)

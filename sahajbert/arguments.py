@@ -1,8 +1,10 @@
-"""Every command-line flag of every script, one dataclass per concern; defaults are the real sahajBERT values.
+"""Every command-line flag of every script, one dataclass per concern.
 
-Parsed with `transformers.HfArgumentParser`, so each script also accepts a single `.json` file of these fields.
-The library types its parameters with these classes; `arguments.py` at the repository root is the page that lists
-them for users.
+Defaults are the real sahajBERT run's values, except where a field's help says otherwise (the demo's own flags, and
+`--data_files sample` / `--tokenizer_path sample`, which name the bundled sample). Parsed by `sahajbert.cli`, one
+help group per class (its TITLE); each script also accepts a settings `.json` file of these fields, which its flags
+override. The library types its parameters with these classes; `arguments.py` at the repository root is the page
+that lists them for users.
 """
 
 import shlex
@@ -11,14 +13,16 @@ from typing import ClassVar, Optional
 
 import transformers
 
-from sahajbert.corpus import DEFAULT_SOURCES, HUB_SOURCES
-from sahajbert.samples import SAMPLE_TOKENIZER
+from sahajbert.cli import Flags
+from sahajbert.corpus import DEFAULT_SOURCES, HUB_SOURCES, SAMPLE_NAME
+from sahajbert.tokenization import REAL_TOKENIZER
 
 
 @dataclass
 class CorpusArguments:
     """Where the text comes from and how it becomes ALBERT examples (data/)."""
 
+    TITLE: ClassVar[str] = "data"
     sources: list[str] = field(
         default_factory=lambda: list(DEFAULT_SOURCES),
         metadata={"help": f"Hub sources to stream: presets {', '.join(HUB_SOURCES)} or 'owner/name[:config]'."},
@@ -31,7 +35,7 @@ class CorpusArguments:
         default=None,
         metadata={
             "help": "Local .txt (blank-line separated documents), .jsonl/.json or .parquet files (or globs); "
-            "each one is a source and replaces --sources. Works offline."
+            f"each one is a source and replaces --sources. Works offline. '{SAMPLE_NAME}': the bundled Bengali sample."
         },
     )
     shuffle_buffer: int = field(default=10_000, metadata={"help": "Documents held in each source's shuffle buffer."})
@@ -47,8 +51,11 @@ class CorpusArguments:
         default=8, metadata={"help": "Pad batches to a multiple of this many tokens (8 suits tensor cores)."}
     )
     tokenizer_path: str = field(
-        default=str(SAMPLE_TOKENIZER),
-        metadata={"help": "Tokenizer folder (tokenizer/train_tokenizer.py) or Hub name."},
+        default=REAL_TOKENIZER,
+        metadata={
+            "help": "Tokenizer folder (tokenizer/train_tokenizer.py) or Hub name; the default is the released "
+            f"sahajBERT tokenizer. '{SAMPLE_NAME}': the bundled 2,000-piece sample tokenizer (for trying things out)."
+        },
     )
 
     def __post_init__(self):
@@ -62,6 +69,8 @@ class CorpusArguments:
 class TokenizerTrainingArguments:
     """tokenizer/train_tokenizer.py: the Unigram tokenizer every peer shares."""
 
+    TITLE: ClassVar[str] = "tokenizer"
+
     vocab_size: int = field(default=32_000, metadata={"help": "Vocabulary size, the 5 special tokens included."})
     output_dir: str = field(default="tokenizer/sahajbert", metadata={"help": "Folder to write the tokenizer to."})
     max_texts: Optional[int] = field(
@@ -74,6 +83,8 @@ class TokenizerTrainingArguments:
 class PreviewArguments:
     """data/preview.py: show what the model trains on."""
 
+    TITLE: ClassVar[str] = "preview"
+
     num_examples: int = field(default=5, metadata={"help": "How many examples to show."})
     seed: int = field(default=0, metadata={"help": "Stream seed (each peer derives its own)."})
     json: bool = field(default=False, metadata={"help": "Print one JSON object per example instead of text."})
@@ -82,6 +93,8 @@ class PreviewArguments:
 @dataclass
 class SwarmArguments:
     """How this peer finds the others (hivemind DHT over libp2p)."""
+
+    TITLE: ClassVar[str] = "swarm"
 
     run_id: str = field(default="sahajbert", metadata={"help": "Name of the training run; all its peers share it."})
     initial_peers: list[str] = field(
@@ -110,11 +123,17 @@ class SwarmArguments:
     join_timeout: float = field(
         default=60.0, metadata={"help": "Seconds to wait for the initial peers to answer before giving up."}
     )
+    verbose: bool = field(
+        default=False,
+        metadata={"help": "Also show hivemind's own INFO lines (matchmaking, progress refreshes, start-up notes)."},
+    )
 
 
 @dataclass
 class AveragingArguments:
     """How peers all-reduce gradients and parameters."""
+
+    TITLE: ClassVar[str] = "averaging"
 
     matchmaking_time: float = field(
         default=5.0, metadata={"help": "Seconds spent gathering a group of peers for each all-reduce."}
@@ -162,6 +181,8 @@ class AveragingArguments:
 class CollaborativeOptimizerArguments:
     """When the swarm makes a global step, and how hivemind.Optimizer overlaps it with compute."""
 
+    TITLE: ClassVar[str] = "collaborative optimizer"
+
     target_batch_size: int = field(
         default=4096, metadata={"help": "Samples the whole swarm accumulates per global optimizer step."}
     )
@@ -169,13 +190,26 @@ class CollaborativeOptimizerArguments:
         default=0, metadata={"help": "Start averaging this many samples before the target, to hide latency."}
     )
     offload_optimizer: bool = field(
-        default=True, metadata={"help": "Keep optimizer state and the master parameters in host RAM."}
+        default=True,
+        metadata={
+            "help": "Keep optimizer state and the master parameters in host RAM.",
+            "negative_help": "Keep optimizer state beside the model (on the accelerator): faster, more memory.",
+        },
     )
     delay_optimizer_step: bool = field(
-        default=True, metadata={"help": "Run the optimizer step in the background while the next batch computes."}
+        default=True,
+        metadata={
+            "help": "Run the optimizer step in the background while the next batch computes.",
+            "negative_help": "Step in the foreground: every peer waits for each update (needs "
+            "--no_delay_grad_averaging too).",
+        },
     )
     delay_grad_averaging: bool = field(
-        default=True, metadata={"help": "Average gradients in the background (with delay_optimizer_step: DPU)."}
+        default=True,
+        metadata={
+            "help": "Average gradients in the background (with delay_optimizer_step: DPU).",
+            "negative_help": "Average gradients in the foreground, before the next batch (lockstep).",
+        },
     )
     average_state_every: int = field(
         default=1, metadata={"help": "Average parameters with peers every this many global steps."}
@@ -213,6 +247,8 @@ class CollaborativeOptimizerArguments:
 class ModelArguments:
     """Which ALBERT to train."""
 
+    TITLE: ClassVar[str] = "model"
+
     model: str = field(
         default="sahajbert",
         metadata={"help": "A preset (tiny, sahajbert, sahajbert-xl) or a path to an AlbertConfig JSON or folder."},
@@ -222,6 +258,8 @@ class ModelArguments:
 @dataclass
 class LocalTrainingArguments:
     """This peer's local training: batch, schedule, precision, checkpoints."""
+
+    TITLE: ClassVar[str] = "training"
 
     per_device_train_batch_size: int = field(default=4, metadata={"help": "Examples per forward/backward pass."})
     gradient_accumulation_steps: int = field(
@@ -307,6 +345,8 @@ class PeerArguments:
 class LocalSwarmArguments:
     """run_local_swarm.py (make demo): a first peer and trainers on this machine, on the bundled sample."""
 
+    TITLE: ClassVar[str] = "demo"
+
     num_trainers: int = field(default=2, metadata={"help": "Trainer processes to start."})
     max_steps: int = field(default=10, metadata={"help": "Global steps to train before stopping."})
     target_batch_size: int = field(default=384, metadata={"help": "Samples per global step, all trainers together."})
@@ -320,6 +360,8 @@ class LocalSwarmArguments:
 @dataclass
 class FinetuneArguments:
     """finetune/train_ner.py and finetune/train_ncc.py: model and data of a downstream task."""
+
+    TITLE: ClassVar[str] = "fine-tuning data"
 
     model_name_or_path: str = field(
         metadata={"help": "A pretraining checkpoint folder (e.g. outputs/demo/trainer0/checkpoint-10) or a Hub name."}
@@ -354,7 +396,28 @@ class FinetuneArguments:
 
 @dataclass
 class FinetuneTrainingArguments(transformers.TrainingArguments):
-    """The usual transformers training flags, with defaults for evaluation every epoch and keeping the best model."""
+    """The usual transformers training flags, with defaults for evaluation every epoch and keeping the best model.
+
+    Every flag of transformers' TrainingArguments is accepted; help lists ours and the common ones (SHOWN_INHERITED).
+    """
+
+    TITLE: ClassVar[str] = "fine-tuning"
+    HIDE_INHERITED: ClassVar[bool] = True
+    SHOWN_INHERITED: ClassVar[frozenset[str]] = frozenset(
+        {
+            "seed",
+            "weight_decay",
+            "warmup_steps",
+            "lr_scheduler_type",
+            "gradient_accumulation_steps",
+            "max_grad_norm",
+            "fp16",
+            "bf16",
+            "use_cpu",
+            "dataloader_num_workers",
+            "disable_tqdm",
+        }
+    )
 
     output_dir: str = field(default="outputs/finetune", metadata={"help": "Where the model and results.json go."})
     num_train_epochs: float = field(default=10.0, metadata={"help": "Most epochs (early stopping may end sooner)."})
@@ -372,6 +435,8 @@ class FinetuneTrainingArguments(transformers.TrainingArguments):
 @dataclass
 class EvaluationArguments:
     """finetune/evaluate.py: both tasks, several seeds, one or more models, one table."""
+
+    TITLE: ClassVar[str] = "evaluation"
 
     models: list[str] = field(metadata={"help": "Model folders or Hub names to compare, side by side."})
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2], metadata={"help": "Fine-tuning seeds per model."})
@@ -392,6 +457,8 @@ class EvaluationArguments:
 @dataclass
 class AuxPeerArguments:
     """run_aux_peer.py: watch the swarm, save and publish its state, help it average."""
+
+    TITLE: ClassVar[str] = "aux peer"
 
     refresh_period: float = field(default=10.0, metadata={"help": "Seconds between reads of the peers' metrics."})
     checkpoint_every: int = field(
@@ -429,6 +496,8 @@ class AuxPeerArguments:
 class TrainerScriptArguments:
     """run_trainer.py's own switches."""
 
+    TITLE: ClassVar[str] = "trainer"
+
     auto_config: bool = field(
         default=False,
         metadata={
@@ -438,4 +507,17 @@ class TrainerScriptArguments:
     )
     check: bool = field(
         default=False, metadata={"help": "Run the preflight checklist (p2pd, peers, limits, versions, disk) and exit."}
+    )
+
+
+def finetune_flags(task: str) -> Flags:
+    """The flags of finetune/train_<task>.py, also what finetune/evaluate.py checks every run's flags with."""
+    description = {
+        "ner": "Fine-tune on Bengali NER (WikiANN bn, or local CoNLL/JSONL files) and score with seqeval.",
+        "ncc": "Fine-tune on Bengali news classification (IndicGLUE sna.bn, or local CSV/JSONL files).",
+    }[task]
+    return Flags(
+        (FinetuneArguments, FinetuneTrainingArguments),
+        description=description,
+        defaults={"output_dir": f"outputs/{task}"},
     )

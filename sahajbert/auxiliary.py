@@ -60,7 +60,7 @@ class HubUploader:
 
 def run_aux_peer(peer_args: PeerArguments, aux_args: AuxPeerArguments) -> None:
     """Run the aux peer until SIGINT/SIGTERM; it always leaves the swarm cleanly."""
-    with AuxPeer(peer_args, aux_args) as peer, StopRequest() as stop:
+    with StopRequest("stopping") as stop, AuxPeer(peer_args, aux_args) as peer:
         peer.run(stop)
 
 

@@ -68,7 +68,8 @@ def save_checkpoint(
         json.dump({"global_step": step, **(state or {})}, f, indent=2)
         f.flush()
         os.fsync(f.fileno())
-    if final.exists():  # the same step saved again (e.g. after a restart): replace it, never merge
+    replaced = final.exists()
+    if replaced:  # the same step saved again (the final parameters, or after a restart): replace it, never merge
         trash = output_dir / f".old-checkpoint-{step}-{os.getpid()}"
         os.rename(final, trash)
         shutil.rmtree(trash, ignore_errors=True)
@@ -76,7 +77,8 @@ def save_checkpoint(
     _fsync_dir(output_dir)
     for _, old in list_checkpoints(output_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
-    logger.info(f"saved checkpoint {final}")
+    # one line per checkpoint: rewriting the same step (the run's final parameters) is not a new one
+    logger.log(logging.DEBUG if replaced else logging.INFO, f"saved checkpoint {final}")
     return final
 
 

@@ -2,6 +2,7 @@
 
 import glob
 import itertools
+import json
 import logging
 import os
 from collections.abc import Iterator, Sequence
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sahajbert.cli import UserError
+from sahajbert.samples import SAMPLE_FILES, SAMPLE_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,10 @@ DEFAULT_PROBABILITIES = (0.23, 0.77)  # DeDLOC's sahajBERT mix: Wikipedia 23%, w
 
 LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 TEXT_COLUMNS = ("text", "content")  # what local files may call their text field
+COMPRESSED = (".gz", ".zst", ".bz2", ".xz")
+# a source's script share is judged on its first documents: enough to tell, cheap to count
+SCRIPT_SAMPLE_DOCUMENTS = 200
+MIN_BENGALI_SHARE = 0.5  # below this share of Bengali-script letters, the tokenizer and sentence splitter do not fit
 
 
 @dataclass(frozen=True)
@@ -71,8 +77,31 @@ class SkipCounter:
             logger.warning(f"skipped {count} record(s) so far: {reason}")
 
 
+def bengali_share(texts: Sequence[str]) -> float | None:
+    """The share of letters in `texts` that are in the Bengali script (U+0980-U+09FF); None if there are none."""
+    letters = bengali = 0
+    for text in texts:
+        for char in text:
+            if char.isalpha():
+                letters += 1
+                bengali += "\u0980" <= char <= "\u09ff"
+    return bengali / letters if letters else None
+
+
+def warn_if_not_bengali(label: str, texts: Sequence[str]) -> None:
+    share = bengali_share(texts)
+    if share is not None and share < MIN_BENGALI_SHARE:
+        logger.warning(
+            f"'{label}' is mostly not Bengali: {100 * share:.0f}% of the letters in its first {len(texts)} "
+            "document(s) are in the Bengali script. The tokenizer and the sentence splitter (sentences end at "
+            "।, ?, ! or a line break) are made for Bengali text"
+        )
+
+
 def _local_builder(path: str) -> str:
-    suffixes = [s for s in Path(path).suffixes if s not in (".gz", ".zst", ".bz2", ".xz")]
+    if os.path.isdir(path):
+        raise UserError(f"data file '{path}' is a directory: give the files in it, e.g. --data_files '{path}/*.txt'")
+    suffixes = [s for s in Path(path).suffixes if s not in COMPRESSED]
     builder = LOCAL_BUILDERS.get(suffixes[-1] if suffixes else "")
     if builder is None:
         raise UserError(f"unsupported file type '{path}': use .txt, .jsonl, .json or .parquet (optionally .gz/.zst)")
@@ -84,7 +113,7 @@ def _check_local_file(path: str, builder: str) -> None:
         raise UserError(f"data file not found: '{path}'")
     if os.path.getsize(path) == 0:
         raise UserError(f"data file is empty: '{path}'")
-    if builder in ("text", "json") and not path.endswith((".gz", ".zst", ".bz2", ".xz")):
+    if builder in ("text", "json") and not path.endswith(COMPRESSED):
         with open(path, "rb") as f:
             head = f.read(1 << 20)
         try:
@@ -95,9 +124,19 @@ def _check_local_file(path: str, builder: str) -> None:
 
 
 def resolve_sources(names: Sequence[str], data_files: Sequence[str] | None) -> list[Source]:
-    """Turn --sources / --data_files into Sources; local files win, each file (or glob) is one source."""
+    """Turn --sources / --data_files into Sources; local files win, each file (or glob) is one source.
+
+    `--data_files sample` names the bundled sample corpus. Hub sources fail at once when the Hub is switched off.
+    """
     if data_files:
         sources = []
+        if SAMPLE_NAME in data_files:
+            data_files = [f for name in data_files for f in (SAMPLE_FILES if name == SAMPLE_NAME else [name])]
+        if set(SAMPLE_FILES) & set(data_files):
+            logger.warning(
+                "training on the bundled sample corpus (136 KB of Bengali text), which suits trying things out: a "
+                "real run streams the Hub corpus (leave out --data_files) or reads your own files"
+            )
         for pattern in data_files:
             paths = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
             if not paths:
@@ -125,6 +164,13 @@ def resolve_sources(names: Sequence[str], data_files: Sequence[str] | None) -> l
             raise UserError(
                 f"unknown source '{name}': use one of {known}, a Hub repo 'owner/name[:config]', or --data_files"
             )
+    from sahajbert.tokenization import hub_offline
+
+    if sources and hub_offline():
+        raise UserError(
+            f"the sources {' '.join(names)} are on the Hub, and the Hub is switched off here (HF_HUB_OFFLINE): "
+            f"use local files, e.g. --data_files {SAMPLE_NAME} (the bundled sample) or --data_files my_corpus/*.txt"
+        )
     return sources
 
 
@@ -143,6 +189,12 @@ def resolve_probabilities(sources: Sequence[Source], probabilities: Sequence[flo
 def _open_stream(source: Source):
     from datasets import load_dataset  # imported here: `datasets` is slow to import and --help must stay fast
 
+    library_logger = logging.getLogger("datasets")
+    for handler in list(library_logger.handlers):  # datasets adds a handler of its own: its lines would show twice
+        library_logger.removeHandler(handler)
+    # the json builder logs a parse failure before raising it; _records reports it with the file and line
+    logging.getLogger("datasets.packaged_modules.json.json").setLevel(logging.CRITICAL)
+
     kwargs = {"streaming": True, "split": "train"}
     if source.builder == "text":
         kwargs["sample_by"] = "paragraph"  # documents are separated by blank lines
@@ -157,16 +209,61 @@ def _open_stream(source: Source):
         raise UserError(f"cannot open source '{source.label}' ({source.builder}): {first_line}") from e
 
 
-def _texts(source: Source, stream, skips: SkipCounter) -> Iterator[str]:
-    for record in stream:
-        columns = (source.text_column,) if source.text_column else TEXT_COLUMNS
+def _records(source: Source, stream) -> Iterator[dict]:
+    """The records of a stream; a file that cannot be parsed is a UserError naming the file and its first bad line."""
+    records = iter(stream)
+    while True:
+        try:
+            record = next(records)
+        except StopIteration:
+            return
+        except UserError:
+            raise
+        except Exception as e:  # pyarrow, json and the compressors raise many types for a malformed file
+            raise UserError(_read_error(source, e)) from e
+        yield record
+
+
+def _read_error(source: Source, error: Exception) -> str:
+    """What is wrong with a source that failed to parse: for JSON lines, the file and line of the first bad one."""
+    if source.builder == "json" and source.data_files:
+        for path in source.data_files:
+            if path.endswith(COMPRESSED) or not os.path.isfile(path):
+                continue
+            with open(path, encoding="utf-8", errors="replace") as f:
+                if not path.endswith(".jsonl"):
+                    try:
+                        json.load(f)
+                        continue
+                    except ValueError as e:
+                        return f"data file '{path}' is not valid JSON: {e}"
+                for number, line in enumerate(f, 1):
+                    try:
+                        if line.strip():
+                            json.loads(line)
+                    except ValueError as e:
+                        return f"data file '{path}' line {number} is not valid JSON ({e}): fix or remove that line"
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return f"cannot read source '{source.label}': {first_line}"
+
+
+def _texts(source: Source, stream, skips: SkipCounter, check_script: bool = True) -> Iterator[str]:
+    columns = (source.text_column,) if source.text_column else TEXT_COLUMNS
+    first: list[str] = []  # the first documents, to tell whether the text is Bengali
+    for record in _records(source, stream):
         text = next((record[c] for c in columns if c in record), None)
         if not isinstance(text, str):
             skips.skip(f"{source.label}: record without a text field {list(columns)}")
         elif not text.strip():
             skips.skip(f"{source.label}: empty document")
         else:
+            if check_script and len(first) < SCRIPT_SAMPLE_DOCUMENTS:
+                first.append(text)
+                if len(first) == SCRIPT_SAMPLE_DOCUMENTS:
+                    warn_if_not_bengali(source.label, first)
             yield text
+    if 0 < len(first) < SCRIPT_SAMPLE_DOCUMENTS:
+        warn_if_not_bengali(source.label, first)
 
 
 def stream_documents(
@@ -176,8 +273,11 @@ def stream_documents(
     shuffle_buffer: int = 10_000,
     skips: SkipCounter | None = None,
     repeat: bool = True,
-) -> Iterator[str]:
+    with_source: bool = False,
+) -> Iterator[str] | Iterator[tuple[int, str]]:
     """Endless stream of documents: each source buffer-shuffled with this peer's seed, sources mixed by probability.
+
+    `with_source`: yield (index of the source, text), so that a caller can tell which source a document came from.
 
     Mixing is done here rather than with `interleave_datasets` so that a bad record is skipped (and counted) per
     source instead of ending the stream, and so that each source restarts with a new shuffle when it runs out.
@@ -193,9 +293,9 @@ def stream_documents(
             shuffled = streams[index].shuffle(seed=seed + 1_000_003 * index, buffer_size=shuffle_buffer)
             shuffled.set_epoch(epoch)
             produced = False
-            for text in _texts(sources[index], shuffled, skips):
+            for text in _texts(sources[index], shuffled, skips, check_script=epoch == 0):
                 produced = True
-                yield text
+                yield (index, text) if with_source else text
             if not produced:
                 raise UserError(f"source '{sources[index].label}' holds no usable documents")
 

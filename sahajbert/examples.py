@@ -40,7 +40,8 @@ class PairBuilder:
         spans = split_sentences(text)
         if len(spans) < 2:
             return None
-        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        # encode_batch releases the GIL (encode does not): a long document must not stall the training loop's thread
+        (encoding,) = self.tokenizer.encode_batch([text], add_special_tokens=False)
         ids = np.asarray(encoding.ids, dtype=np.int64)
         offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
         # token i belongs to the sentence whose span contains its first character

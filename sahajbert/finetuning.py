@@ -230,6 +230,7 @@ def run_task(task_name: str, finetune_args: FinetuneArguments, training_args: Fi
     )
 
     from sahajbert.devices import choose_precision, describe_device
+    from sahajbert.model import load_pretrained
 
     task = TASKS[task_name]
     tokenizer = load_model_tokenizer(finetune_args.model_name_or_path)
@@ -237,17 +238,13 @@ def run_task(task_name: str, finetune_args: FinetuneArguments, training_args: Fi
     encode = encode_ner if task.name == "ner" else encode_news
     encoded = {split: encode(records, tokenizer, finetune_args.max_seq_length) for split, records in data.items()}
     model_class = AutoModelForTokenClassification if task.name == "ner" else AutoModelForSequenceClassification
-    try:
-        model = model_class.from_pretrained(
-            finetune_args.model_name_or_path,
-            num_labels=len(task.labels),
-            id2label=dict(enumerate(task.labels)),
-            label2id={n: i for i, n in enumerate(task.labels)},
-        )
-    except (OSError, ValueError) as e:
-        raise UserError(
-            f"cannot load a model from '{finetune_args.model_name_or_path}': {str(e).splitlines()[0]}"
-        ) from e
+    model = load_pretrained(
+        model_class,
+        finetune_args.model_name_or_path,
+        num_labels=len(task.labels),
+        id2label=dict(enumerate(task.labels)),
+        label2id={n: i for i, n in enumerate(task.labels)},
+    )
     if torch.cuda.is_available() and not (training_args.fp16 or training_args.bf16):
         training_args.fp16 = choose_precision(describe_device("cuda"), "auto") == "fp16"
     if not torch.cuda.is_available():
@@ -273,6 +270,8 @@ def run_task(task_name: str, finetune_args: FinetuneArguments, training_args: Fi
         ],
     )
     trainer.train()
+    # the final scores below are not epochs: early stopping would only warn that it finds no eval_ metric in them
+    trainer.remove_callback(EarlyStoppingCallback)
     validation = trainer.evaluate(encoded["validation"], metric_key_prefix="validation")
     test = trainer.evaluate(encoded["test"], metric_key_prefix="test")
     trainer.save_model(training_args.output_dir)

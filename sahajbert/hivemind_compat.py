@@ -146,3 +146,19 @@ def round_steps(control: StepControl) -> list[int] | None:
     if not control.done() or control.cancelled() or control.exception() is not None:
         return None
     return sorted(control.result().values())
+
+
+def is_identity_file(path: str) -> bool:
+    """Is `path` a peer identity as hivemind writes it (P2P.generate_identity): a libp2p PrivateKey protobuf holding an
+    RSA key in DER? The p2p daemon itself only says "proto: cannot parse invalid wire-format data" of a bad one."""
+    from cryptography.hazmat.primitives import serialization
+    from google.protobuf.message import DecodeError
+    from hivemind.proto import crypto_pb2
+
+    try:
+        with open(path, "rb") as f:
+            key = crypto_pb2.PrivateKey.FromString(f.read())
+        serialization.load_der_private_key(key.data, password=None)
+    except (OSError, DecodeError, ValueError, TypeError):
+        return False
+    return key.key_type == crypto_pb2.KeyType.RSA

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 
-from sahajbert.samples import SAMPLE_FILES, SAMPLE_TOKENIZER
+from sahajbert.samples import SAMPLE_FILES, SAMPLE_NAME
 
 LOOPBACK = ["--host_maddrs", "/ip4/127.0.0.1/tcp/0"]
 
@@ -26,7 +26,7 @@ def tiny_trainer_flags(host: str = "127.0.0.1", **overrides) -> list[str]:
     """
     flags = {
         "model": "tiny",
-        "tokenizer_path": str(SAMPLE_TOKENIZER),
+        "tokenizer_path": SAMPLE_NAME,
         "max_seq_length": 64,
         "per_device_train_batch_size": 8,
         "target_batch_size": 384,

@@ -164,7 +164,7 @@ def build_collaborative_optimizer(
             "metadata_expiration": optimizer_args.metadata_expiration,
             "max_refresh_period": optimizer_args.max_refresh_period,
         },
-        verbose=True,
+        verbose=peer_args.swarm_args.verbose,  # hivemind's per-refresh progress lines, at INFO
     )
 
 

@@ -113,7 +113,9 @@ def run_checks(peer_args: PeerArguments) -> list[Check]:
     swarm_args, training_args = peer_args.swarm_args, peer_args.training_args
     import hivemind
 
-    from sahajbert.swarm import build_dht, validate_initial_peers
+    from sahajbert.swarm import UNREACHABLE_FIX, build_dht, quiet_hivemind, validate_initial_peers
+
+    quiet_hivemind(swarm_args.verbose)  # the checklist is the output: hivemind's INFO lines only with --verbose
 
     checks = [
         check_versions(),
@@ -148,15 +150,8 @@ def run_checks(peer_args: PeerArguments) -> list[Check]:
     try:
         dht = build_dht(swarm_args)
     except UserError as e:
-        return checks + [
-            Check(
-                "initial peers answer",
-                "fail",
-                str(e),
-                "check that the first peer runs and the address (IP, port, /p2p/ id) is exact; "
-                "a firewall may block the port",
-            )
-        ]
+        detail = str(e).split(f". {UNREACHABLE_FIX}")[0]  # the fix has its own line
+        return checks + [Check("initial peers answer", "fail", detail, UNREACHABLE_FIX)]
     try:
         checks.append(Check("initial peers answer", "ok", f"joined in {time.monotonic() - started:.1f} s"))
         addresses = [str(m) for m in dht.get_visible_maddrs()]

@@ -7,6 +7,8 @@ the tiny preset's tests and the benchmarks train on them; real runs stream the H
 from importlib.resources import files
 from pathlib import Path
 
+# what --data_files and --tokenizer_path accept as a name for the bundled sample (no machine path in any default)
+SAMPLE_NAME = "sample"
 SAMPLE_DATA = Path(str(files("sahajbert") / "sample_data"))
 SAMPLE_TOKENIZER = SAMPLE_DATA / "tokenizer"
 SAMPLE_FILES = [str(SAMPLE_DATA / "corpus" / "bn_wiki.txt"), str(SAMPLE_DATA / "corpus" / "bn_web.txt")]

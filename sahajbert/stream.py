@@ -8,11 +8,16 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from sahajbert.arguments import CorpusArguments
+from sahajbert.cli import UserError
 from sahajbert.collators import PretrainingCollator
 from sahajbert.corpus import SkipCounter, resolve_probabilities, resolve_sources, stream_documents
 from sahajbert.examples import PairBuilder
+from sahajbert.signals import StopRequest
 
 logger = logging.getLogger(__name__)
+BOUNDARIES = "\u0964, \u0965, ?, ! or a line break"  # what examples.SENTENCE_END splits on
+# a source whose first documents give no example at all is unusable: say so instead of reading it for ever
+MAX_FRUITLESS_DOCUMENTS = 1_000
 
 
 def iterate_examples(
@@ -30,12 +35,24 @@ def iterate_examples(
         short_seq_prob=corpus_args.short_seq_prob,
     )
     rng = np.random.default_rng(seed)
-    documents = stream_documents(sources, probabilities, seed, corpus_args.shuffle_buffer, skips)
-    for text in documents:
+    documents = stream_documents(sources, probabilities, seed, corpus_args.shuffle_buffer, skips, with_source=True)
+    # per source: documents read while it has given no example yet (None once it has given one)
+    fruitless: list[int | None] = [0] * len(sources)
+    for index, text in documents:
         examples = builder(text, rng, with_text=with_text)
         if examples is None:
-            skips.skip("document with fewer than two sentences (no danda, ?, ! or line break between them)")
+            label = sources[index].label
+            skips.skip(f"{label}: document with fewer than two sentences (no {BOUNDARIES} between them)")
+            if fruitless[index] is not None:
+                fruitless[index] += 1
+                if fruitless[index] >= MAX_FRUITLESS_DOCUMENTS:
+                    raise UserError(
+                        f"source '{sources[index].label}' gave no training example in {MAX_FRUITLESS_DOCUMENTS} "
+                        f"documents: each has fewer than two sentences (a sentence ends at {BOUNDARIES}; '.' does "
+                        "not end one). Give Bengali text, with documents of two or more sentences"
+                    )
             continue
+        fruitless[index] = None
         yield from examples
 
 
@@ -83,7 +100,17 @@ class Prefetcher:
         return self
 
     def __next__(self):
-        item = self._queue.get()
+        return self.get()
+
+    def get(self, stop: StopRequest | None = None):
+        """The next item; with `stop`, a stop request ends the wait with StopNow (a source may be slow or stuck)."""
+        while True:
+            try:
+                item = self._queue.get(timeout=0.5)
+                break
+            except queue.Empty:
+                if stop is not None:
+                    stop.check()
         if item is self._DONE:
             raise StopIteration
         if isinstance(item, BaseException):
@@ -92,4 +119,4 @@ class Prefetcher:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=1.0)  # a daemon thread: one busy inside a long document is left behind

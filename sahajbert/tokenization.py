@@ -1,6 +1,8 @@
 """The sahajBERT tokenizer: Bengali normalization, pre-tokenization, Unigram training, and loading."""
 
 import json
+import logging
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -18,10 +20,18 @@ from tokenizers import (
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from sahajbert.cli import UserError
+from sahajbert.samples import SAMPLE_NAME, SAMPLE_TOKENIZER
+
+logger = logging.getLogger(__name__)
+# the released sahajBERT's tokenizer on the Hub (the 2021 run's vocabulary of 32,000), the default of a real run
+REAL_TOKENIZER = "neuropark/sahajBERT"
 
 # Ids 0..4 in this order: collators, the model config and the checkpoints rely on them.
 SPECIAL_TOKENS = ["<pad>", "<unk>", "[CLS]", "[SEP]", "[MASK]"]
 MAX_LENGTH = 512
+# Unigram stops short of --vocab_size when the text has too few distinct pieces; below this share it is no tokenizer
+# of that size at all (an English-only file asked for 1,000 pieces gives 48)
+MIN_VOCAB_FRACTION = 0.5
 WORD_START = "\u2581"  # "▁", SentencePiece's marker for a piece that begins a word
 BENGALI_LETTERS = "\u0980-\u09ff"
 
@@ -70,6 +80,11 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, length: int | None = 
     tokenizer.train_from_iterator(texts, trainer=trainer, length=length)
     if tokenizer.get_vocab_size() <= len(SPECIAL_TOKENS):
         raise UserError("the tokenizer learned no pieces: the training corpus is empty")
+    if tokenizer.get_vocab_size() < MIN_VOCAB_FRACTION * vocab_size:
+        raise UserError(
+            f"the corpus gave only {tokenizer.get_vocab_size()} pieces, far below --vocab_size {vocab_size}: train on "
+            "more (Bengali) text, or ask for a smaller vocabulary; nothing was saved"
+        )
     return wrap_tokenizer(tokenizer)
 
 
@@ -105,14 +120,47 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerFast, output_dir: str | Path) -
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
+def hub_offline() -> bool:
+    """True when the Hub is switched off for this process (what huggingface_hub and datasets read)."""
+    return any(os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE") for name in HUB_OFFLINE_VARIABLES)
+
+
+HUB_OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+def looks_like_a_path(name: str) -> bool:
+    """A Hub name is "owner/name"; anything else with a slash, or starting with . or ~, means a local folder."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """Load a tokenizer folder (or Hub name); a missing or broken one is a UserError naming the path."""
-    if Path(path).exists() and not (Path(path) / "tokenizer.json").is_file():
-        raise UserError(f"no tokenizer in '{path}': expected {Path(path) / 'tokenizer.json'}")
+    """Load a tokenizer folder (or Hub name, or `sample`); a missing or broken one is a UserError naming the path."""
+    if str(path) == SAMPLE_NAME:
+        path = SAMPLE_TOKENIZER
+    folder = Path(path).expanduser()
+    if folder.resolve() == SAMPLE_TOKENIZER.resolve():
+        logger.warning(
+            "using the bundled 2,000-piece sample tokenizer, which suits trying things out: a real run uses "
+            f"--tokenizer_path {REAL_TOKENIZER} (the default) or a folder made by tokenizer/train_tokenizer.py"
+        )
+    if folder.is_file():
+        raise UserError(f"--tokenizer_path '{path}' is a file: give the folder that holds tokenizer.json")
+    if folder.exists() and not (folder / "tokenizer.json").is_file():
+        raise UserError(f"no tokenizer in '{path}': expected {folder / 'tokenizer.json'}")
+    if not folder.exists() and looks_like_a_path(str(path)):
+        raise UserError(f"tokenizer folder not found: '{path}' (make one with tokenizer/train_tokenizer.py)")
+    if not folder.exists() and hub_offline():
+        raise UserError(
+            f"--tokenizer_path '{path}': no such folder here, and the Hub is switched off (HF_HUB_OFFLINE): give a "
+            f"tokenizer folder, e.g. --tokenizer_path {SAMPLE_NAME} (the bundled sample tokenizer)"
+        )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(folder if folder.exists() else path))
     except (OSError, ValueError) as e:
-        raise UserError(f"cannot load a tokenizer from '{path}': {str(e).splitlines()[0]}") from e
+        raise UserError(
+            f"cannot load a tokenizer from '{path}': {str(e).splitlines()[0]} (offline? use a local folder, "
+            f"e.g. --tokenizer_path {SAMPLE_NAME})"
+        ) from e
     if not tokenizer.is_fast:
         raise UserError(
             f"the tokenizer in '{path}' is not a fast tokenizer; train one with tokenizer/train_tokenizer.py"

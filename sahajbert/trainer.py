@@ -24,7 +24,7 @@ from sahajbert.compute import build_compute
 from sahajbert.devices import DeviceInfo, choose_precision, describe_device
 from sahajbert.model import build_model
 from sahajbert.optim import build_collaborative_optimizer, is_finite
-from sahajbert.signals import StopRequest
+from sahajbert.signals import StopNow, StopRequest
 from sahajbert.stopping import FinalRound, last_step_is_next, pending_update_timeout, should_stop
 from sahajbert.stream import Prefetcher, batched, iterate_examples
 from sahajbert.swarm import SwarmPeer, validate_initial_peers
@@ -32,6 +32,9 @@ from sahajbert.tokenization import load_tokenizer
 from sahajbert.train_log import StepRecord, TrainLog
 
 logger = logging.getLogger(__name__)
+# seconds a stopping peer waits for a background round to land before its last checkpoint (a stop is due within
+# signals.FORCE_AFTER seconds)
+STOP_PENDING_WAIT = 5.0
 
 
 @dataclass
@@ -53,7 +56,7 @@ class StepCounters:
 
 def train(peer_args: PeerArguments) -> TrainResult:
     """Run one trainer peer until --max_steps, SIGINT or SIGTERM; it always leaves the swarm cleanly."""
-    with TrainerPeer(peer_args) as peer, StopRequest() as stop:
+    with StopRequest("stopping after the current pass") as stop, TrainerPeer(peer_args) as peer:
         return peer.run(stop)
 
 
@@ -113,6 +116,7 @@ class TrainerPeer(SwarmPeer):
         self.dropped_passes = 0
         self.result = TrainResult(final_step=self.optimizer.local_epoch)
         self._last_progress_line = time.monotonic()
+        self.stop: StopRequest | None = None  # set by run()
 
     def _build_model(self, resume_from: Path | None, device_info: DeviceInfo) -> torch.nn.Module:
         """The model from this peer's latest checkpoint, else freshly initialized with the run's seed."""
@@ -156,19 +160,23 @@ class TrainerPeer(SwarmPeer):
     def run(self, stop: StopRequest) -> TrainResult:
         """Train until the swarm reaches --max_steps or a stop is requested, then end the run with the others."""
         self.good_state.save()
-        while not (stop or self._should_stop()):
-            pass_loss = self._forward_backward()
-            if pass_loss is None:
-                continue  # non-finite loss or gradients: this pass was dropped, nothing was sent
-            if self._should_stop():
-                break  # the swarm got there during this pass, in a round without us: do not step alone
-            host_changed = self._step(pass_loss)
-            if self.optimizer.local_epoch != self.last_step:
-                self._after_global_step()
-                host_changed = True
-            if host_changed:
-                self.compute.push_parameters()
-            self._log_progress()
+        self.stop = stop
+        try:
+            while not (stop or self._should_stop()):
+                pass_loss = self._forward_backward()
+                if pass_loss is None:
+                    continue  # non-finite loss or gradients: this pass was dropped, nothing was sent
+                if self._should_stop():
+                    break  # the swarm got there during this pass, in a round without us: do not step alone
+                host_changed = self._step(pass_loss)
+                if self.optimizer.local_epoch != self.last_step:
+                    self._after_global_step()
+                    host_changed = True
+                if host_changed:
+                    self.compute.push_parameters()
+                self._log_progress()
+        except StopNow:
+            pass  # stopped while waiting for the stream's next batch
         return self._finish(stopped=bool(stop))
 
     def _should_stop(self) -> bool:
@@ -178,7 +186,7 @@ class TrainerPeer(SwarmPeer):
         """One pass (gradient accumulation included); its loss, or None if it was dropped as non-finite."""
         accumulation = self.args.training_args.gradient_accumulation_steps
         started = time.perf_counter()
-        losses = [self.compute.backward(next(self.batches), 1.0 / accumulation) for _ in range(accumulation)]
+        losses = [self.compute.backward(self.batches.get(self.stop), 1.0 / accumulation) for _ in range(accumulation)]
         self.compute.finish_pass()  # XLA: run the traced pass and bring its gradients to the host model
         pass_loss = sum(loss.item() for loss in losses)
         self.counters.compute_seconds += time.perf_counter() - started
@@ -272,7 +280,8 @@ class TrainerPeer(SwarmPeer):
 
     def _finish(self, stopped: bool) -> TrainResult:
         """Apply what still runs in the background, take part in the final round, write the final checkpoint."""
-        self._apply_pending_updates()
+        pending_wait = STOP_PENDING_WAIT if stopped else self._pending_update_timeout
+        self._apply_pending_updates(pending_wait)
         averaged_at_end = 0
         if self.final_round is not None and not stopped:
             last_step_peers = self.result.steps[-1].peers if self.result.steps else 0
@@ -281,7 +290,7 @@ class TrainerPeer(SwarmPeer):
         self.result.final_step = self.optimizer.local_epoch
         # always written again at the end: a background round may have changed the parameters after the last save
         if self.result.steps or averaged_at_end:
-            self._save(self.result.steps[-1].loss if self.result.steps else None)
+            self._save(self.result.steps[-1].loss if self.result.steps else None, pending_wait)
         logger.info(f"stopped at global step {self.optimizer.local_epoch}" + (" (stop requested)" if stopped else ""))
         return self.result
 
@@ -332,13 +341,13 @@ class TrainerPeer(SwarmPeer):
     def _pending_update_timeout(self) -> float:
         return pending_update_timeout(self.args.averaging_args.averaging_timeout)
 
-    def _apply_pending_updates(self) -> None:
+    def _apply_pending_updates(self, timeout: float | None = None) -> None:
         """Wait for every background step and averaging round; a checkpoint must not miss one that lands late."""
-        if not compat.apply_pending_updates(self.optimizer, self._pending_update_timeout):
+        if not compat.apply_pending_updates(self.optimizer, timeout or self._pending_update_timeout):
             logger.warning("a background averaging round is still running: these parameters may miss its result")
 
-    def _save(self, loss: float | None) -> None:
-        self._apply_pending_updates()  # save parameters with every step applied
+    def _save(self, loss: float | None, pending_wait: float | None = None) -> None:
+        self._apply_pending_updates(pending_wait)  # save parameters with every step applied
         self.result.checkpoint = checkpoints.save_checkpoint(
             self.output_dir,
             self.optimizer.local_epoch,

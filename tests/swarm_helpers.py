@@ -10,6 +10,18 @@ from sahajbert.localswarm import LOOPBACK, PeerProcess, start_first_peer, tiny_t
 from sahajbert.train_log import StepRecord, read_train_log
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: the scripts under test live here
+# the scripts a user runs, each built on sahajbert.cli's flags
+USER_SCRIPTS = [
+    "run_trainer.py",
+    "run_first_peer.py",
+    "run_aux_peer.py",
+    "run_local_swarm.py",
+    "tokenizer/train_tokenizer.py",
+    "data/preview.py",
+    "finetune/train_ner.py",
+    "finetune/train_ncc.py",
+    "finetune/evaluate.py",
+]
 LOCAL = LOOPBACK
 # every test's trainers: the library's tiny settings, a checkpoint at every global step, frequent progress lines
 TINY_TRAINING = tiny_trainer_flags(averaging_timeout=20, save_steps=1, log_every_seconds=2)

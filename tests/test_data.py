@@ -257,6 +257,8 @@ def test_preview_json_offline(sample_files):
         [
             sys.executable,
             str(ROOT / "data" / "preview.py"),
+            "--tokenizer_path",
+            "sample",
             "--data_files",
             *sample_files,
             "--num_examples",

@@ -83,6 +83,8 @@ def test_ner_learns_and_writes_results(pretrained, tmp_path):
         ],
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    # the final validation and test scores are not epochs: early stopping has nothing to say about them
+    assert "early stopping is disabled" not in result.stderr, result.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert set(results["test"]) >= {"precision", "recall", "f1"}
     assert results["test"]["f1"] > results["majority_baseline_test"]["f1"] + 0.3, results["test"]
@@ -236,7 +238,9 @@ def test_bad_data_is_one_clear_line(tmp_path, script, files, content, message):
     "ncc_args, message",
     [
         ("--seed 'oops", "--ncc_args is not a valid command line (no closing quotation)"),
-        ("--no_such_flag 1", "['--no_such_flag', '1']"),
+        ("--no_such_flag 1", "--ncc_args: unknown flag --no_such_flag"),
+        # a shortened or mistyped flag is refused, not taken as another one (argparse would match prefixes)
+        ("--learning_rat 1e-4", "--ncc_args: unknown flag --learning_rat (did you mean --learning_rate?)"),
     ],
 )
 def test_evaluate_checks_every_runs_flags_before_training(tmp_path, ncc_args, message):

@@ -98,7 +98,7 @@ def test_check_names_the_failing_item_and_its_fix(tmp_path):
         str(tmp_path),
     )
     assert result.returncode == 1
-    assert "[FAIL] initial peers answer" in result.stdout and "fix: check that the first peer runs" in result.stdout
+    assert "[FAIL] initial peers answer" in result.stdout and "fix: Check that the first peer runs" in result.stdout
     assert "[ ok ] p2pd starts" in result.stdout and "Traceback" not in result.stderr
     on_loopback = run_trainer("--check", "--initial_peers", "1.2.3.4:1337", "--model", "tiny")
     assert on_loopback.returncode == 1 and "[FAIL] initial peers: --initial_peers must be a libp2p multiaddr" in (

@@ -7,16 +7,24 @@ import logging
 from tqdm.auto import tqdm
 
 from sahajbert.arguments import CorpusArguments, TokenizerTrainingArguments
-from sahajbert.cli import parse_args, run, setup_logging
+from sahajbert.cli import Flags, parse_args, run, setup_logging
 from sahajbert.corpus import SkipCounter, resolve_probabilities, resolve_sources, stream_documents
 from sahajbert.tokenization import save_tokenizer, train_tokenizer
 
 logger = logging.getLogger("train_tokenizer")
+FLAGS = Flags(
+    (CorpusArguments, TokenizerTrainingArguments),
+    description="Train the sahajBERT Unigram tokenizer from the streamed corpus (default) or local files.",
+    # examples, masking and the tokenizer to load are for training the model, not the tokenizer
+    skip=frozenset(
+        {"max_seq_length", "short_seq_prob", "mlm_probability", "masking", "pad_to_multiple_of", "tokenizer_path"}
+    ),
+)
 
 
 def main(argv=None) -> int:
     setup_logging()
-    corpus_args, args = parse_args((CorpusArguments, TokenizerTrainingArguments), argv)
+    corpus_args, args = parse_args(FLAGS, argv)
     sources = resolve_sources(corpus_args.sources, corpus_args.data_files)
     probabilities = resolve_probabilities(sources, corpus_args.source_probabilities)
     skips = SkipCounter()

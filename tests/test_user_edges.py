@@ -1,0 +1,398 @@
+"""What a user meets at the edges: every bad input is one `error:` line and exit code 2, nothing hangs, help reads.
+
+Most cases call a script's own `main()` through `sahajbert.cli.run`, in this process, exactly as its `__main__`
+does (exit code, stderr). The cases about processes and signals run the real scripts as processes.
+"""
+
+import json
+import logging
+import os
+import re
+import runpy
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from sahajbert import cli
+from sahajbert.localswarm import PeerProcess, peer_env, wait_for
+from sahajbert.samples import SAMPLE_FILES
+from sahajbert.signals import StopNow, StopRequest
+from sahajbert.stream import Prefetcher
+
+from .swarm_helpers import LOCAL, ROOT, USER_SCRIPTS, first_peer, script
+
+ENGLISH = "\n\n".join(" ".join(f"The cat number {i} sat on mat {j}." for j in range(8)) for i in range(50))
+
+
+@pytest.fixture(autouse=True)
+def _scripts_logging():
+    """A script's setup_logging points the root logger at this test's captured stderr: drop that after the test."""
+    yield
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if type(h) is logging.StreamHandler]:
+        root.removeHandler(handler)
+
+
+def run_main(name: str, args: list[str], capsys) -> tuple[int, str]:
+    """The script's main(args) through cli.run, as `python <name> args` runs it: (exit code, stderr)."""
+    main = runpy.run_path(str(script(name)))["main"]
+    with pytest.raises(SystemExit) as exit_:
+        cli.run(lambda: main(args))
+    return exit_.value.code, capsys.readouterr().err
+
+
+def assert_one_error(code: int, stderr: str, message: str) -> str:
+    """Exit code 2, exactly one `error:` line, containing `message`, and no traceback; returns that line."""
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(errors) == 1 and message in errors[0], stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    return errors[0]
+
+
+def help_of(name: str, capsys) -> str:
+    main = runpy.run_path(str(script(name)))["main"]
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    return capsys.readouterr().out
+
+
+# ---- flags: spelled out, one line per mistake, settings files ----
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        # argparse's prefix matching took this as --batch_size_lead 4
+        (["--batch_size", "4"], "unknown flag --batch_size (did you mean --batch_size_lead"),
+        (["--learning_rat", "1e-3"], "unknown flag --learning_rat (did you mean --learning_rate?)"),
+        (["--max_steps", "abc"], "argument --max_steps: invalid int value: 'abc' (usage: --max_steps N)"),
+        (["--masking", "words"], "invalid choice: 'words'"),
+        (["4"], "unexpected value '4'"),
+        (["--offload_optimizer", "maybe"], "expected true or false, got 'maybe'"),
+    ],
+)
+def test_flags_must_be_spelled_out_and_bad_values_are_one_line(args, message, capsys):
+    code, stderr = run_main("run_trainer.py", args, capsys)
+    line = assert_one_error(code, stderr, message)
+    assert "usage:" not in stderr.replace(line, ""), "one line, not argparse's usage wall"
+
+
+def test_settings_file_combines_with_flags_and_refuses_unknown_keys(tmp_path, capsys):
+    flags = runpy.run_path(str(script("run_trainer.py")))["FLAGS"]
+    settings = tmp_path / "run.json"
+    settings.write_text(json.dumps({"max_steps": 5, "learning_rate": 0.01, "initial_peers": ["/ip4/1.2.3.4/tcp/1"]}))
+    peer_args, _ = cli.parse_args(flags, [str(settings), "--max_steps", "7"])
+    assert peer_args.training_args.max_steps == 7, "a flag overrides the settings file"
+    assert peer_args.training_args.learning_rate == 0.01
+    assert peer_args.swarm_args.initial_peers == ["/ip4/1.2.3.4/tcp/1"]
+    settings.write_text(json.dumps({"batch_size": 4}))
+    code, stderr = run_main("run_trainer.py", [str(settings)], capsys)
+    assert_one_error(code, stderr, "unknown setting 'batch_size' (did you mean --batch_size_lead")
+    settings.write_text('{"max_steps": 5,\n "learning_rate": }')
+    assert_one_error(*run_main("run_trainer.py", [str(settings)], capsys), "is not valid JSON (line 2)")
+    assert_one_error(*run_main("run_trainer.py", [str(tmp_path / "no.json")], capsys), "settings file not found")
+    (tmp_path / "dir.json").mkdir()
+    assert_one_error(*run_main("run_trainer.py", [str(tmp_path / "dir.json")], capsys), "is a directory")
+
+
+def test_a_required_flag_is_named(capsys):
+    code, stderr = run_main("finetune/train_ner.py", [], capsys)
+    assert_one_error(code, stderr, "the following arguments are required: --model_name_or_path")
+
+
+def test_the_first_peer_refuses_client_mode(capsys):
+    code, stderr = run_main("run_first_peer.py", ["--client_mode"], capsys)
+    assert_one_error(code, stderr, "the first peer cannot run with --client_mode")
+
+
+@pytest.mark.parametrize("content", [None, b"garbage\n"])
+def test_identity_path_must_hold_an_identity(tmp_path, content, capsys):
+    path = tmp_path / "identity"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    code, stderr = run_main("run_first_peer.py", ["--identity_path", str(path), *LOCAL], capsys)
+    assert_one_error(code, stderr, "is a directory" if content is None else "does not hold a peer identity")
+
+
+# ---- data and tokenizer ----
+
+
+def test_text_without_sentence_breaks_fails_with_the_reason_and_the_script_share(tmp_path, capsys):
+    english = tmp_path / "english.txt"
+    english.write_text(ENGLISH)
+    args = ["--tokenizer_path", "sample", "--data_files", str(english), "--num_examples", "2"]
+    code, stderr = run_main("data/preview.py", args, capsys)
+    line = assert_one_error(code, stderr, f"source '{english}' gave no training example in 1000 documents")
+    assert "'.' does not end one" in line
+    assert f"'{english}' is mostly not Bengali: 0% of the letters" in stderr
+
+
+def test_malformed_json_lines_name_the_file_and_line(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "আমি ভাত খাই। তুমি কী খাও?"}\n{"text": broken\n', encoding="utf-8")
+    code, stderr = run_main("data/preview.py", ["--tokenizer_path", "sample", "--data_files", str(bad)], capsys)
+    assert_one_error(code, stderr, f"data file '{bad}' line 2 is not valid JSON")
+    assert "ArrowInvalid" not in stderr
+
+
+def test_a_directory_given_as_a_data_file(tmp_path, capsys):
+    code, stderr = run_main("data/preview.py", ["--tokenizer_path", "sample", "--data_files", str(tmp_path)], capsys)
+    assert_one_error(code, stderr, f"data file '{tmp_path}' is a directory: give the files in it")
+
+
+def test_offline_without_data_files_fails_at_once_with_the_flag_to_use(capsys):
+    code, stderr = run_main("data/preview.py", ["--tokenizer_path", "sample", "--num_examples", "3"], capsys)
+    assert_one_error(code, stderr, "are on the Hub, and the Hub is switched off here (HF_HUB_OFFLINE)")
+    assert "--data_files sample" in stderr
+    code, stderr = run_main("data/preview.py", ["--num_examples", "3"], capsys)  # the default tokenizer is the Hub's
+    assert_one_error(code, stderr, "--tokenizer_path 'neuropark/sahajBERT': no such folder here")
+
+
+def test_the_bundled_sample_says_so(capsys):
+    code, stderr = run_main("data/preview.py", ["--tokenizer_path", "sample", "--data_files", "sample"], capsys)
+    assert code == 0
+    assert "using the bundled 2,000-piece sample tokenizer" in stderr
+    assert "--tokenizer_path neuropark/sahajBERT (the default)" in stderr
+    assert "training on the bundled sample corpus" in stderr
+
+
+@pytest.mark.parametrize("path", ["/nonexistent/tokenizer", "./my_tokenizer"])
+def test_a_tokenizer_folder_that_does_not_exist(path, capsys):
+    code, stderr = run_main("data/preview.py", ["--tokenizer_path", path, "--data_files", "sample"], capsys)
+    assert_one_error(code, stderr, f"tokenizer folder not found: '{path}'")
+
+
+def test_tokenizer_training_refuses_a_corpus_far_below_the_vocabulary(tmp_path, capsys):
+    english = tmp_path / "english.txt"
+    english.write_text(ENGLISH)
+    out = tmp_path / "tokenizer"
+    args = ["--data_files", str(english), "--vocab_size", "1000", "--output_dir", str(out)]
+    code, stderr = run_main("tokenizer/train_tokenizer.py", args, capsys)
+    assert_one_error(code, stderr, "far below --vocab_size 1000")
+    assert "is mostly not Bengali" in stderr and not out.exists(), "nothing is saved"
+
+
+def test_a_truncated_checkpoint_is_one_line(tmp_path, capsys):
+    from transformers import AlbertConfig, AlbertForPreTraining
+
+    from sahajbert.tokenization import load_tokenizer, save_tokenizer
+
+    checkpoint = tmp_path / "checkpoint"
+    config = AlbertConfig(
+        vocab_size=2000, embedding_size=16, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64,
+    )  # fmt: skip
+    AlbertForPreTraining(config).save_pretrained(checkpoint)
+    save_tokenizer(load_tokenizer("sample"), checkpoint)
+    weights = checkpoint / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    news = ROOT / "finetune" / "sample"
+    files = [f"--{split}_file={news / f'news_{split}.csv'}" for split in ("train", "validation", "test")]
+    args = ["--model_name_or_path", str(checkpoint), *files, "--output_dir", str(tmp_path / "out")]
+    code, stderr = run_main("finetune/train_ncc.py", args, capsys)
+    assert_one_error(code, stderr, f"cannot load the model in '{checkpoint}'")
+
+
+# ---- help ----
+
+
+@pytest.mark.parametrize("name", USER_SCRIPTS)
+def test_help_is_grouped_and_names_no_machine_path(name, capsys):
+    text = help_of(name, capsys)
+    lines = text.splitlines()
+    assert lines[0].startswith("usage: ") and lines[2], "a usage line, then a one-line description"
+    assert str(ROOT) not in text and "site-packages" not in text and "/root" not in text, "no machine path"
+    groups = re.split(r"\n(?=\S[^\n]*:\n)", text)[1:]  # a group starts at an unindented "title:" line
+    assert groups, text
+    for group in groups:
+        assert len(group.splitlines()) <= 50, f"group does not fit on a screen:\n{group}"
+    for flag in re.findall(r"^\s+--no_(\w+)\s+(.*)$", text, flags=re.MULTILINE):
+        positive = re.search(rf"^\s+--{flag[0]}\b.*?\s{{2,}}(\S.*)$", text, flags=re.MULTILINE)
+        assert positive and positive.group(1) != flag[1], f"--no_{flag[0]} repeats the help of --{flag[0]}"
+
+
+def test_each_script_shows_only_its_flags_with_its_own_defaults(capsys):
+    aux = help_of("run_aux_peer.py", capsys)
+    assert "--per_device_train_batch_size" not in aux and "--data_files" not in aux and "--max_steps" not in aux
+    assert re.search(r"--output_dir TEXT.*\(default: outputs/aux\)", aux)
+    tokenizer = help_of("tokenizer/train_tokenizer.py", capsys)
+    assert "--masking" not in tokenizer and "--max_seq_length" not in tokenizer and "--vocab_size" in tokenizer
+    assert "--client_mode" not in help_of("run_first_peer.py", capsys)
+    for task in ("ner", "ncc"):
+        text = help_of(f"finetune/train_{task}.py", capsys)
+        assert f"(default: outputs/{task})" in text and "--model_name_or_path TEXT" in text
+        assert re.search(r"(?s)--model_name_or_path TEXT((?!\n  --).)*\(required\)", text), text
+        assert "--fsdp" not in text, "transformers' rarely used flags are accepted but not listed"
+    trainer = help_of("run_trainer.py", capsys)
+    assert "--tokenizer_path TEXT" in trainer and "(default: neuropark/sahajBERT)" in trainer
+
+
+# ---- real processes: nothing hangs, signals, ports, peers ----
+
+
+def quiet(output: str) -> None:
+    """One line per event: none of hivemind's per-refresh or start-up lines, no asyncio noise, no repeated save."""
+    for noise in ("ETA ", "Task was destroyed", "It is recommended to use request_timeout", "Traceback"):
+        assert noise not in output, f"{noise!r} in:\n{output[-3000:]}"
+    saved = re.findall(r"saved checkpoint (\S+)", output)
+    assert len(saved) == len(set(saved)), saved
+
+
+@pytest.mark.slow
+def test_a_trainer_on_text_without_sentence_breaks_fails_instead_of_hanging(tmp_path):
+    english = tmp_path / "english.txt"
+    english.write_text(ENGLISH)
+    args = ["--model", "tiny", "--tokenizer_path", "sample", "--data_files", str(english), *LOCAL]
+    result = subprocess.run(
+        [sys.executable, str(script("run_trainer.py")), *args, "--output_dir", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=peer_env(),
+    )
+    assert_one_error(result.returncode, result.stderr, "gave no training example in 1000 documents")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signals", [1, 2])
+def test_sigterm_while_the_stream_is_busy_stops_the_trainer_within_seconds(tmp_path, signals):
+    """The stream spends a minute on one enormous document; the trainer waits for its first batch meanwhile."""
+    text = Path(SAMPLE_FILES[0]).read_text(encoding="utf-8").replace("\n\n", " ")
+    huge = tmp_path / "one_document.txt"
+    huge.write_text((text + " ") * (12_000_000 // len(text)), encoding="utf-8")
+    args = ["--model", "tiny", "--tokenizer_path", "sample", "--data_files", str(huge), "--max_seq_length", "64"]
+    args += [*LOCAL, "--output_dir", str(tmp_path / "o")]
+    peer = PeerProcess(script("run_trainer.py"), args, tmp_path / "t.log")
+    try:
+        wait_for(lambda: "computing on" in peer.output() or not peer.running(), 120, "the trainer to start")
+        time.sleep(5)  # into construction or the wait for the first batch: either must stop at once
+        sent = time.monotonic()
+        peer.process.send_signal(signal.SIGTERM)
+        if signals == 2:
+            wait_for(lambda: "received SIGTERM" in peer.output(), 10, "the first signal to be taken")
+            peer.process.send_signal(signal.SIGTERM)
+        code = peer.wait(60)
+        took = time.monotonic() - sent
+    finally:
+        peer.stop()
+    output = peer.output()
+    assert "received SIGTERM" in output, output[-3000:]
+    # well inside the minute the document takes, and within the 15 s every stop request is bounded by
+    assert took < 30, f"stopped {took:.0f} s after the signal:\n{output[-3000:]}"
+    assert code in ((0,) if signals == 1 else (0, 130)), output[-3000:]
+    if signals == 1:
+        assert "stopped at global step 0 (stop requested)" in output
+    quiet(output)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_a_busy_port_and_a_wrong_peer_id_are_one_line(tmp_path):
+    port = free_port()
+    first = PeerProcess(
+        script("run_first_peer.py"), ["--host_maddrs", f"/ip4/127.0.0.1/tcp/{port}"], tmp_path / "first.log"
+    )
+    try:
+        line = wait_for(lambda: re.search(r"--initial_peers (\S+)", first.output()), 60, "the first peer").group(1)
+        second = subprocess.run(
+            [sys.executable, str(script("run_first_peer.py")), "--host_maddrs", f"/ip4/127.0.0.1/tcp/{port}"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=peer_env(),
+        )
+        assert_one_error(second.returncode, second.stderr, f"port {port} is already in use on 127.0.0.1")
+        other_id = line.rsplit("/p2p/", 1)[0] + "/p2p/QmXa1yGyEqqZrNqBGNd3YjUVWyKwYQ8Uw3tWNBhJuLbX9f"
+        trainer = subprocess.run(
+            [sys.executable, str(script("run_trainer.py")), "--model", "tiny", "--tokenizer_path", "sample"]
+            + ["--data_files", "sample", "--initial_peers", other_id, "--join_timeout", "15", *LOCAL]
+            + ["--output_dir", str(tmp_path / "o")],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env=peer_env(),
+        )
+        error = assert_one_error(trainer.returncode, trainer.stderr, "none of the initial peers answered")
+        assert "the /p2p/ peer id" in error
+    finally:
+        first.stop()
+
+
+@pytest.mark.slow
+def test_a_trainer_run_is_quiet(tmp_path):
+    """A first peer and a tiny trainer to a few steps, with default logging: one line per event."""
+    fp, initial_peers = first_peer(tmp_path, "quiet")
+    try:
+        from sahajbert.localswarm import tiny_trainer_flags
+
+        flags = tiny_trainer_flags(max_steps=3, target_batch_size=64, save_steps=3, output_dir=tmp_path / "t")
+        result = subprocess.run(
+            [sys.executable, str(script("run_trainer.py")), "--run_id", "quiet", "--initial_peers", *initial_peers]
+            + flags,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=peer_env(),
+        )
+    finally:
+        fp.stop()
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "global step 3 |" in result.stderr
+    quiet(result.stderr)
+
+
+# ---- stopping: the rules behind "within seconds" ----
+
+
+def test_a_stop_request_ends_even_a_wait_that_never_checks_it():
+    """FORCE_AFTER seconds after the first signal the role stops at once (KeyboardInterrupt), whatever it does."""
+    stop = StopRequest(force_after=1.0)
+    started = time.monotonic()
+    with stop, pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGTERM)
+        while time.monotonic() - started < 30:  # a wait that never looks at the request (a round, a download)
+            time.sleep(0.05)
+    assert stop and time.monotonic() - started < 30
+    assert signal.getsignal(signal.SIGTERM) is not stop._handle, "the previous handler is back"
+
+
+def test_a_second_signal_stops_at_once():
+    with StopRequest(force_after=60.0) as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)
+        assert stop, "the first signal asks for a stop after the current step"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+
+
+def test_the_wait_for_a_batch_ends_on_a_stop_request():
+    release = threading.Event()
+
+    def stuck_source():
+        release.wait(60)  # a Hub stream that stalls, or one enormous document
+        yield {"input_ids": [1]}
+
+    batches = Prefetcher(stuck_source())
+    stop = StopRequest()
+    threading.Timer(0.3, stop.event.set).start()
+    started = time.monotonic()
+    with pytest.raises(StopNow):
+        batches.get(stop)
+    assert time.monotonic() - started < 5
+    release.set()
+    batches.close()

@@ -8,7 +8,9 @@ all-reduce without training, and can serve a saved state to rescue a run whose p
 from sahajbert.arguments import AuxPeerArguments, PeerArguments
 from sahajbert.cli import Flags, parse_args, run, setup_logging
 
-# the aux peer trains nothing: no batch, device or data flags, and no final round (that is the trainers' ending)
+# The aux peer trains nothing: batch, device and data flags, and the final round (the trainers' ending), are not
+# listed. They are accepted and ignored, so that one settings file or command line serves the trainers and the aux
+# peer alike.
 TRAINER_ONLY = {
     "per_device_train_batch_size",
     "gradient_accumulation_steps",
@@ -32,7 +34,7 @@ TRAINER_ONLY = {
 FLAGS = Flags(
     (PeerArguments, AuxPeerArguments),
     description="The organizer's aux peer: monitor the swarm, checkpoint its state, upload it, assist averaging.",
-    skip=frozenset(TRAINER_ONLY),
+    hidden=frozenset(TRAINER_ONLY),
     defaults={"output_dir": "outputs/aux"},
 )
 

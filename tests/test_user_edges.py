@@ -224,6 +224,10 @@ def test_each_script_shows_only_its_flags_with_its_own_defaults(capsys):
     aux = help_of("run_aux_peer.py", capsys)
     assert "--per_device_train_batch_size" not in aux and "--data_files" not in aux and "--max_steps" not in aux
     assert re.search(r"--output_dir TEXT.*\(default: outputs/aux\)", aux)
+    # not listed, but accepted: the trainers' settings file or command line serves the aux peer too
+    aux_flags = runpy.run_path(str(script("run_aux_peer.py")))["FLAGS"]
+    peer_args, _ = cli.parse_args(aux_flags, ["--max_seq_length", "64", "--learning_rate", "0.02"])
+    assert peer_args.training_args.learning_rate == 0.02 and peer_args.training_args.output_dir == "outputs/aux"
     tokenizer = help_of("tokenizer/train_tokenizer.py", capsys)
     assert "--masking" not in tokenizer and "--max_seq_length" not in tokenizer and "--vocab_size" in tokenizer
     assert "--client_mode" not in help_of("run_first_peer.py", capsys)

@@ -31,10 +31,9 @@ def trainer_args(args: LocalSwarmArguments, initial_peers: list[str], index: int
 def main(argv=None) -> int:
     setup_logging()
     (args,) = parse_args(FLAGS, argv)
-    from transformers import AlbertForPreTraining
-
     from sahajbert.checkpoints import latest_checkpoint
     from sahajbert.localswarm import PeerProcess, start_first_peer
+    from sahajbert.model import load_model
     from sahajbert.train_log import read_train_log
 
     output_dir = Path(args.output_dir)
@@ -60,14 +59,14 @@ def main(argv=None) -> int:
     first = sum(log[0].loss for log in logs) / len(logs)
     last = sum(log[-1].loss for log in logs) / len(logs)
     checkpoint = latest_checkpoint(output_dir / "trainer0")
-    model = AlbertForPreTraining.from_pretrained(checkpoint)
+    model = load_model(checkpoint)
     print("\n=== local swarm summary ===")
     print(f"global steps:     {max(log[-1].step for log in logs)}")
     print(f"loss (per mini-step, mean of trainers): {first:.4f} at step {logs[0][0].step} -> {last:.4f} at the end")
     print(f"peers seen:       {max(r.peers for log in logs for r in log)} trainers in one global step")
     print(
         f"checkpoint:       {checkpoint} ({sum(p.numel() for p in model.parameters()):,} parameters, "
-        "loads with AlbertForPreTraining.from_pretrained)"
+        "loads with sahajbert.model.load_model)"
     )
     print(f"wall time:        {time.monotonic() - started:.0f} s; every process stopped")
     return 0

@@ -251,7 +251,10 @@ class ModelArguments:
 
     model: str = field(
         default="sahajbert",
-        metadata={"help": "A preset (tiny, sahajbert, sahajbert-xl) or a path to an AlbertConfig JSON or folder."},
+        metadata={
+            "help": "A preset: sahajbert (ALBERT-large, 18.1M parameters), sahajbert-xl (LeanALBERT, 76.0M), tiny or "
+            "tiny-xl (for tests); or an ALBERT/LeanALBERT config .json or checkpoint folder."
+        },
     )
 
 

@@ -221,8 +221,6 @@ def run_task(task_name: str, finetune_args: FinetuneArguments, training_args: Fi
     """Fine-tune, evaluate every epoch, keep the best, early-stop, score the test split; write results.json."""
     import torch
     from transformers import (
-        AutoModelForSequenceClassification,
-        AutoModelForTokenClassification,
         DataCollatorForTokenClassification,
         DataCollatorWithPadding,
         EarlyStoppingCallback,
@@ -230,17 +228,16 @@ def run_task(task_name: str, finetune_args: FinetuneArguments, training_args: Fi
     )
 
     from sahajbert.devices import choose_precision, describe_device
-    from sahajbert.model import load_pretrained
+    from sahajbert.model import load_model
 
     task = TASKS[task_name]
     tokenizer = load_model_tokenizer(finetune_args.model_name_or_path)
     data = load_task_data(task, finetune_args)
     encode = encode_ner if task.name == "ner" else encode_news
     encoded = {split: encode(records, tokenizer, finetune_args.max_seq_length) for split, records in data.items()}
-    model_class = AutoModelForTokenClassification if task.name == "ner" else AutoModelForSequenceClassification
-    model = load_pretrained(
-        model_class,
+    model = load_model(
         finetune_args.model_name_or_path,
+        "token_classification" if task.name == "ner" else "sequence_classification",
         num_labels=len(task.labels),
         id2label=dict(enumerate(task.labels)),
         label2id={n: i for i, n in enumerate(task.labels)},

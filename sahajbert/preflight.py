@@ -75,17 +75,11 @@ def check_versions(packages=("torch", "transformers", "hivemind", "datasets", "t
 
 def checkpoint_bytes(model: str, tokenizer_size: int = 32_000) -> int:
     """Disk for one checkpoint: fp32 weights plus LAMB's two moments (3 copies of the parameters)."""
-    import torch
-    from transformers import AlbertConfig, AlbertForPreTraining
+    from sahajbert.model import count_parameters, read_config
 
-    from sahajbert.model import PRESETS, PRESETS_DIR
-
-    path = PRESETS_DIR / f"{model}.json" if model in PRESETS else Path(model)
-    config = AlbertConfig.from_json_file(path) if path.is_file() else AlbertConfig.from_pretrained(path)
+    config = read_config(model)
     config.vocab_size = max(config.vocab_size, tokenizer_size)
-    with torch.device("meta"):  # count parameters without allocating them
-        parameters = sum(p.numel() for p in AlbertForPreTraining(config).parameters())
-    return parameters * 4 * 3
+    return count_parameters(config) * 4 * 3
 
 
 def check_disk(output_dir: str, model: str, keep: int) -> Check:

@@ -125,6 +125,8 @@ class TrainerPeer(SwarmPeer):
             logger.info(f"resuming from {resume_from}")
             checkpoints.read_state(resume_from)  # a broken checkpoint is reported now, before joining anything
         model = build_model(self.args.model_args.model, self.tokenizer, training_args.seed, resume_from)
+        parameters = sum(p.numel() for p in model.parameters())
+        logger.info(f"model: {type(model).__name__}, {parameters / 1e6:.1f}M parameters")
         # the host keeps the model hivemind averages; an XLA host computes on a device copy of it (sahajbert.xla)
         on_xla = device_info.kind == "tpu"
         model.to("cpu" if on_xla else PartialState(cpu=device_info.kind == "cpu").device)

@@ -258,3 +258,30 @@ def test_model_folder_without_tokenizer(tmp_path):
     (tmp_path / "model" / "config.json").write_text("{}")
     result = run_script("train_ner.py", ["--model_name_or_path", str(tmp_path / "model"), *NER_FILES])
     assert result.returncode == 2 and "has no tokenizer" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.fixture(scope="module")
+def lean_checkpoint(tmp_path_factory):
+    """A LeanALBERT (sahajBERT-XL's architecture, tiny sizes) checkpoint, as our trainers write it."""
+    from sahajbert.checkpoints import save_checkpoint
+    from sahajbert.model import build_model
+    from sahajbert.tokenization import load_tokenizer
+
+    tokenizer = load_tokenizer("sample")
+    model = build_model("tiny-xl", tokenizer, seed=0)
+    return save_checkpoint(tmp_path_factory.mktemp("lean"), 1, model, tokenizer)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", ["ner", "ncc"])
+def test_fine_tuning_trains_a_lean_albert_checkpoint(lean_checkpoint, tmp_path, task):
+    files = NER_FILES if task == "ner" else NEWS_FILES
+    args = ["--model_name_or_path", str(lean_checkpoint), *files, *QUICK, "--num_train_epochs", "2"]
+    result = run_script(f"train_{task}.py", [*args, "--output_dir", str(tmp_path)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["epochs_trained"] == 2 and results["test"]
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["hidden_act_gated"] and saved["position_embedding_type"] == "rotary", "fine-tuned LeanALBERT"
+    expected = "LeanAlbertForTokenClassification" if task == "ner" else "LeanAlbertForSequenceClassification"
+    assert saved["architectures"] == [expected]

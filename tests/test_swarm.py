@@ -7,10 +7,11 @@ import sys
 import psutil
 import pytest
 import torch
-from transformers import AlbertForPreTraining, AutoTokenizer
+from transformers import AutoTokenizer
 
 from sahajbert.checkpoints import latest_checkpoint
 from sahajbert.localswarm import PeerProcess, peer_env, wait_for
+from sahajbert.model import load_model
 from sahajbert.train_log import read_train_log as train_log
 
 from .swarm_helpers import LOCAL, final_step, first_peer, kill_orphans, last_step, script, start_peer, swarm_loss
@@ -31,15 +32,17 @@ def trainer(tmp_path, name, run_id, initial_peers, *extra) -> PeerProcess:
 
 
 def weights(checkpoint) -> dict[str, torch.Tensor]:
-    return AlbertForPreTraining.from_pretrained(checkpoint).state_dict()
+    return load_model(checkpoint).state_dict()
 
 
-@pytest.mark.parametrize("mode", ["dpu", "lockstep"])
-def test_two_trainers_make_global_steps_and_agree(tmp_path, swarm, mode):
+@pytest.mark.parametrize("mode, model", [("dpu", "tiny"), ("lockstep", "tiny"), ("dpu", "tiny-xl")])
+def test_two_trainers_make_global_steps_and_agree(tmp_path, swarm, mode, model):
     run_id, initial_peers = swarm
     # dpu: the default, delayed parameter updates (each peer applies the last update in the background, then the
-    # trainers average once more); lockstep: every peer waits for each all-reduce before its next step
+    # trainers average once more); lockstep: every peer waits for each all-reduce before its next step.
+    # tiny-xl: LeanALBERT, sahajBERT-XL's architecture, at the tiny sizes
     flags = ["--delay_optimizer_step", "false", "--delay_grad_averaging", "false"] if mode == "lockstep" else []
+    flags += ["--model", model]
     peers = [trainer(tmp_path, f"t{i}", run_id, initial_peers, "--max_steps", "5", *flags) for i in range(2)]
     try:
         for peer in peers:

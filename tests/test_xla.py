@@ -73,6 +73,14 @@ def test_parameters_pushed_after_a_host_update_match_the_host_copy(spmd_report):
     assert report["grad_rel_diff_after_push"] < 1e-5, report
 
 
+def test_spmd_pass_of_lean_albert_matches_the_cpu(spmd_report):
+    report = spmd_report
+    assert report["lean_model"] == "LeanAlbertForPreTraining"
+    assert report["lean_xla_loss"] == pytest.approx(report["lean_cpu_loss"], abs=1e-5)
+    assert report["lean_grad_rel_diff"] < 1e-5, report
+    assert report["lean_recompilations"] == 0
+
+
 def test_bf16_on_xla_sends_unscaled_fp32_gradients(spmd_report):
     report = spmd_report
     assert report["bf16_grad_dtypes"] == ["torch.float32"]

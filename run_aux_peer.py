@@ -5,7 +5,7 @@ Monitors the swarm (log, wandb, dashboard), saves its state as checkpoints, uplo
 all-reduce without training, and can serve a saved state to rescue a run whose peers all left.
 """
 
-from sahajbert.arguments import AuxPeerArguments, PeerArguments
+from sahajbert.arguments import RECIPE_EXPANSION, AuxPeerArguments, PeerArguments
 from sahajbert.cli import Flags, parse_args, run, setup_logging
 
 # The aux peer trains nothing: batch, device and data flags, and the final round (the trainers' ending), are not
@@ -30,12 +30,15 @@ TRAINER_ONLY = {
     "mlm_probability",
     "masking",
     "pad_to_multiple_of",
+    "sentence_boundaries",
+    "chunking",
 }
 FLAGS = Flags(
     (PeerArguments, AuxPeerArguments),
     description="The organizer's aux peer: monitor the swarm, checkpoint its state, upload it, assist averaging.",
     hidden=frozenset(TRAINER_ONLY),
     defaults={"output_dir": "outputs/aux"},
+    expansions=RECIPE_EXPANSION,
 )
 
 

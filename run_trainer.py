@@ -6,12 +6,13 @@
 
 import sys
 
-from sahajbert.arguments import PeerArguments, TrainerScriptArguments
+from sahajbert.arguments import RECIPE_EXPANSION, PeerArguments, TrainerScriptArguments
 from sahajbert.cli import Flags, parse_args, run, setup_logging
 
 FLAGS = Flags(
     (PeerArguments, TrainerScriptArguments),
     description="A volunteer's trainer peer: join a run with the line run_first_peer.py printed, and train.",
+    expansions=RECIPE_EXPANSION,
 )
 
 

@@ -32,7 +32,8 @@ def main(argv=None) -> int:
             extra = shlex.split(args.ner_args if task == "ner" else args.ncc_args)
             for seed in args.seeds:
                 run_dir = output_dir / f"model{model_index}" / task / f"seed{seed}"
-                flags = ["--model_name_or_path", model, "--seed", str(seed), "--output_dir", str(run_dir), *extra]
+                flags = ["--model_name_or_path", model, "--seed", str(seed), "--output_dir", str(run_dir)]
+                flags += (["--protocol", args.protocol] if args.protocol else []) + extra
                 try:
                     plan.append((model, task, seed, parse_args(finetune_flags(task), flags)))
                 except UserError as e:
@@ -44,9 +45,10 @@ def main(argv=None) -> int:
     table = summarize(runs)
     markdown = markdown_table(table, args.tasks)
     output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "results.md").write_text(markdown + "\n")
+    (output_dir / "results.md").write_text(f"fine-tuning protocol: {args.protocol or 'defaults'}\n\n{markdown}\n")
     (output_dir / "results.json").write_text(json.dumps({"table": table, "runs": runs}, indent=2, ensure_ascii=False))
-    print(f"\ntest scores over seeds {args.seeds} (mean ± std, %)\n\n{markdown}\n")
+    protocol = f"the {args.protocol} protocol" if args.protocol else "this project's defaults"
+    print(f"\ntest scores over seeds {args.seeds} (mean ± std, %), fine-tuned with {protocol}\n\n{markdown}\n")
     print(f"saved {output_dir / 'results.md'} and {output_dir / 'results.json'}")
     return 0
 

@@ -15,6 +15,7 @@ import transformers
 
 from sahajbert.cli import Flags
 from sahajbert.corpus import DEFAULT_SOURCES, HUB_SOURCES, SAMPLE_NAME
+from sahajbert.recipes import PROTOCOLS, RECIPES
 from sahajbert.tokenization import REAL_TOKENIZER
 
 
@@ -45,7 +46,27 @@ class CorpusArguments:
     )
     mlm_probability: float = field(default=0.15, metadata={"help": "Fraction of tokens to predict in masked LM."})
     masking: str = field(
-        default="whole_word", metadata={"help": "Masked-LM masking unit.", "choices": ["whole_word", "token"]}
+        default="whole_word",
+        metadata={
+            "help": "Masked-LM masking unit: whole Bengali words, or tokens (as both references did in effect).",
+            "choices": ["whole_word", "token"],
+        },
+    )
+    sentence_boundaries: str = field(
+        default="lines",
+        metadata={
+            "help": "Where sentences end: lines (\u0964, \u0965, ?, ! and line breaks) or punctuation (\u0964, ?, ! "
+            "only, as both references split: a danda rewrite, then NLTK punkt).",
+            "choices": ["lines", "punctuation"],
+        },
+    )
+    chunking: str = field(
+        default="albert",
+        metadata={
+            "help": "How sentences become an example: albert (up to a target length, --short_seq_prob of them "
+            "shorter) or references (sentences added until --max_seq_length tokens, then truncated).",
+            "choices": ["albert", "references"],
+        },
     )
     pad_to_multiple_of: Optional[int] = field(
         default=8, metadata={"help": "Pad batches to a multiple of this many tokens (8 suits tensor cores)."}
@@ -283,6 +304,25 @@ class LocalTrainingArguments:
     clamp_value: float = field(
         default=10_000.0, metadata={"help": "LAMB: clamp of the weight norm in the trust ratio."}
     )
+    max_grad_norm: float = field(
+        default=1.0, metadata={"help": "Clip gradients to this total norm (0: no clipping); both references: 1.0."}
+    )
+    clip_gradients: str = field(
+        default="averaged",
+        metadata={
+            "help": "What --max_grad_norm clips: averaged (the gradients the optimizer applies, after the swarm "
+            "averaged them; sahajBERT-XL) or local (each peer's own pass, before averaging; DeDLOC's sahajBERT).",
+            "choices": ["averaged", "local"],
+        },
+    )
+    recipe: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "Train as a reference run trained: its whole recipe (optimizer, schedule, batch, clipping, "
+            "compression, averaging timing, data); flags you give win. See the README's recipe table.",
+            "choices": ["sahajbert", "sahajbert-xl"],
+        },
+    )
     precision: str = field(
         default="auto",
         metadata={
@@ -316,6 +356,8 @@ class LocalTrainingArguments:
                 raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"--max_steps must be at least 1, got {self.max_steps}")
+        if self.max_grad_norm < 0:
+            raise ValueError(f"--max_grad_norm must be >= 0 (0: no clipping), got {self.max_grad_norm}")
 
 
 @dataclass
@@ -390,6 +432,25 @@ class FinetuneArguments:
     early_stopping_threshold: float = field(
         default=0.0, metadata={"help": "Smallest improvement of the validation metric that counts."}
     )
+    best_model_metric: str = field(
+        default="task",
+        metadata={
+            "help": "What picks the best epoch and early-stops: task (F1 for NER, accuracy for news) or loss (the "
+            "validation loss, as both references did).",
+            "choices": ["task", "loss"],
+        },
+    )
+    hidden_dropout_prob: Optional[float] = field(
+        default=None, metadata={"help": "Dropout in the model while fine-tuning (default: the checkpoint's)."}
+    )
+    protocol: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "Fine-tune as a reference evaluated: its learning rate, batch, epochs, early stopping, best epoch "
+            "by validation loss, maximum length and dropout; flags you give win. See the README's protocol table.",
+            "choices": ["sahajbert", "sahajbert-xl"],
+        },
+    )
 
     def __post_init__(self):
         local = [self.train_file, self.validation_file, self.test_file]
@@ -447,6 +508,13 @@ class EvaluationArguments:
     output_dir: str = field(default="outputs/evaluation", metadata={"help": "Runs, results.md and results.json."})
     ner_args: str = field(default="", metadata={"help": "Extra flags for every NER run, e.g. '--train_file ...'."})
     ncc_args: str = field(default="", metadata={"help": "Extra flags for every classification run."})
+    protocol: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "Every run fine-tunes as this reference did (--protocol of train_ner.py / train_ncc.py).",
+            "choices": ["sahajbert", "sahajbert-xl"],
+        },
+    )
 
     def __post_init__(self):
         for name in ("ner_args", "ncc_args"):
@@ -523,4 +591,9 @@ def finetune_flags(task: str) -> Flags:
         (FinetuneArguments, FinetuneTrainingArguments),
         description=description,
         defaults={"output_dir": f"outputs/{task}"},
+        expansions={"protocol": PROTOCOLS[task]},
     )
+
+
+# the trainer and the aux peer take `--recipe`: one reference run's whole recipe, under the flags given
+RECIPE_EXPANSION = {"recipe": RECIPES}

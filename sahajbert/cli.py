@@ -160,6 +160,8 @@ class Flags:
     `skip`: fields the script does not use (no flag; the dataclass default stands). `hidden`: accepted but not shown
     (a class with HIDE_INHERITED also hides the fields of its library base class, but its SHOWN_INHERITED).
     `defaults`: this script's own defaults (the aux peer writes to outputs/aux, not outputs/trainer).
+    `expansions`: fields whose value stands for other fields' values ({"recipe": {"sahajbert": {...}}}); those
+    values come under a settings file's and under the flags given, which win.
     """
 
     groups: Sequence[type]
@@ -167,6 +169,7 @@ class Flags:
     skip: frozenset[str] = frozenset()
     hidden: frozenset[str] = frozenset()
     defaults: Mapping[str, object] = dataclasses.field(default_factory=dict)
+    expansions: Mapping[str, Mapping[str, Mapping[str, object]]] = dataclasses.field(default_factory=dict)
 
     @property
     def classes(self) -> list[type]:
@@ -275,6 +278,20 @@ def _read_settings(path: str, flags: Flags) -> dict:
     return settings
 
 
+def _expanded(flags: Flags, argv: Sequence[str], settings: Mapping[str, object]) -> dict:
+    """The field values that the chosen recipe or protocol (a flag, else the settings file) stands for."""
+    values: dict = {}
+    for name, choices in flags.expansions.items():
+        chosen = settings.get(name)
+        for index, item in enumerate(argv):  # the last one given wins, as for any flag
+            if item == f"--{name}" and index + 1 < len(argv):
+                chosen = argv[index + 1]
+            elif item.startswith(f"--{name}="):
+                chosen = item.split("=", 1)[1]
+        values.update(choices.get(chosen, {}))  # an unknown choice is left to argparse, which names the choices
+    return values
+
+
 def normalize_flag_spelling(argv: Sequence[str]) -> list[str]:
     """`--max-steps` is read as `--max_steps` (transformers' examples accept both spellings)."""
     out = []
@@ -297,7 +314,7 @@ def parse_args(
     settings = {}
     if argv and argv[0].endswith(".json") and not argv[0].startswith("-"):
         settings, argv = _read_settings(argv[0], flags), argv[1:]
-    parser = flags.build(prog, settings)
+    parser = flags.build(prog, {**_expanded(flags, argv, settings), **settings})
     namespace, rest = parser.parse_known_args(argv)
     if rest:
         unknown = rest[0]

@@ -7,14 +7,16 @@ from dataclasses import dataclass
 import numpy as np
 from tokenizers import Tokenizer
 
-# A sentence ends at a danda (। U+0964, ॥ U+0965), "?", "!" or a line break.
-SENTENCE_END = re.compile(r"[\u0964\u0965?!]+|\n+")
+# Where a sentence ends. "lines": a danda (। U+0964, ॥ U+0965), "?", "!" or a line break. "punctuation": "।", "?" or
+# "!" only, as both references split (a danda rewrite, then NLTK punkt): line breaks and ॥ do not end one there.
+SENTENCE_ENDS = {"lines": re.compile(r"[\u0964\u0965?!]+|\n+"), "punctuation": re.compile(r"[\u0964?!]+")}
+SENTENCE_END = SENTENCE_ENDS["lines"]
 
 
-def split_sentences(text: str) -> list[tuple[int, int]]:
+def split_sentences(text: str, sentence_end: re.Pattern = SENTENCE_END) -> list[tuple[int, int]]:
     """Character spans (start, end) of the non-blank sentences in `text`, in order."""
     spans, start = [], 0
-    for match in SENTENCE_END.finditer(text):
+    for match in sentence_end.finditer(text):
         spans.append((start, match.end()))
         start = match.end()
     spans.append((start, len(text)))
@@ -34,10 +36,14 @@ class PairBuilder:
     max_seq_length: int = 512
     short_seq_prob: float = 0.1  # ALBERT: 10% of examples use a shorter random target length
     swap_prob: float = 0.5
+    sentence_end: re.Pattern = SENTENCE_END
+    # "references": sentences are added until they hold max_seq_length tokens, then the pair is truncated to fit (no
+    # shorter examples), as both references' data code did (DeDLOC sahajbert/dataset_streaming.py:38)
+    chunking: str = "albert"
 
     def __call__(self, text: str, rng: np.random.Generator, with_text: bool = False) -> Iterator[dict] | None:
         """Yield the examples of one document; None if it has fewer than two sentences (the caller counts it)."""
-        spans = split_sentences(text)
+        spans = split_sentences(text, self.sentence_end)
         if len(spans) < 2:
             return None
         # encode_batch releases the GIL (encode does not): a long document must not stall the training loop's thread
@@ -55,7 +61,7 @@ class PairBuilder:
 
     def _pairs(self, text, ids, offsets, sentences, rng, with_text) -> Iterator[dict]:
         budget = self.max_seq_length - 3  # room for [CLS] and two [SEP]
-        target = budget if rng.random() >= self.short_seq_prob else int(rng.integers(2, budget + 1))
+        target = self._target_length(budget, rng)
         chunk: list[tuple[int, int]] = []
         length = 0
         for i, sentence in enumerate(sentences):
@@ -68,7 +74,12 @@ class PairBuilder:
             if example is not None:
                 yield example
             chunk, length = [], 0
-            target = budget if rng.random() >= self.short_seq_prob else int(rng.integers(2, budget + 1))
+            target = self._target_length(budget, rng)
+
+    def _target_length(self, budget: int, rng: np.random.Generator) -> int:
+        if self.chunking == "references":
+            return self.max_seq_length
+        return budget if rng.random() >= self.short_seq_prob else int(rng.integers(2, budget + 1))
 
     def _make_pair(self, text, ids, offsets, chunk, budget, rng, with_text) -> dict | None:
         if len(chunk) < 2:

@@ -235,19 +235,20 @@ def run_task(task_name: str, finetune_args: FinetuneArguments, training_args: Fi
     data = load_task_data(task, finetune_args)
     encode = encode_ner if task.name == "ner" else encode_news
     encoded = {split: encode(records, tokenizer, finetune_args.max_seq_length) for split, records in data.items()}
-    model = load_model(
-        finetune_args.model_name_or_path,
-        "token_classification" if task.name == "ner" else "sequence_classification",
-        num_labels=len(task.labels),
-        id2label=dict(enumerate(task.labels)),
-        label2id={n: i for i, n in enumerate(task.labels)},
-    )
+    labels = {"num_labels": len(task.labels), "id2label": dict(enumerate(task.labels))}
+    labels["label2id"] = {name: i for i, name in enumerate(task.labels)}
+    if finetune_args.hidden_dropout_prob is not None:  # sahajBERT-XL fine-tuned with dropout 0.1
+        labels["hidden_dropout_prob"] = finetune_args.hidden_dropout_prob
+    head = "token_classification" if task.name == "ner" else "sequence_classification"
+    model = load_model(finetune_args.model_name_or_path, head, **labels)
     if torch.cuda.is_available() and not (training_args.fp16 or training_args.bf16):
         training_args.fp16 = choose_precision(describe_device("cuda"), "auto") == "fp16"
     if not torch.cuda.is_available():
         training_args.dataloader_pin_memory = False  # pinning needs an accelerator; avoid the warning per epoch
-    training_args.metric_for_best_model = task.metric
-    training_args.greater_is_better = True
+    # the best epoch (kept, and judged by early stopping): by the task's score, or by the validation loss
+    by_loss = finetune_args.best_model_metric == "loss"
+    training_args.metric_for_best_model = "loss" if by_loss else task.metric
+    training_args.greater_is_better = not by_loss
     metric_fn = ner_metrics if task.name == "ner" else news_metrics
 
     def compute_metrics(prediction) -> dict[str, float]:
@@ -276,6 +277,8 @@ def run_task(task_name: str, finetune_args: FinetuneArguments, training_args: Fi
         "task": task.name,
         "model_name_or_path": finetune_args.model_name_or_path,
         "seed": training_args.seed,
+        "protocol": finetune_args.protocol,
+        "best_model_metric": training_args.metric_for_best_model,
         "epochs_trained": trainer.state.epoch,
         "best_epoch_metric": trainer.state.best_metric,
         "validation": {k.removeprefix("validation_"): v for k, v in validation.items()},

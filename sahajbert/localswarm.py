@@ -30,7 +30,9 @@ def tiny_trainer_flags(host: str = "127.0.0.1", **overrides) -> list[str]:
         "max_seq_length": 64,
         "per_device_train_batch_size": 8,
         "target_batch_size": 384,
-        "learning_rate": 0.02,
+        # LAMB as the references ran it takes small early steps (its bias correction scales the step size): at 0.1 the
+        # tiny model's loss falls from 8.29 to 8.03 in 10 steps of 384 samples (0.02 gave 8.22)
+        "learning_rate": 0.1,
         "warmup_steps": 1,
         "total_steps": 200,
         "matchmaking_time": 3,

@@ -4,6 +4,7 @@ This module is the only place where optimizer hyperparameters become objects: th
 call `build_collaborative_optimizer`, so the aux peer can never drift from the trainers' settings.
 """
 
+import math
 from functools import partial
 
 import hivemind
@@ -21,12 +22,21 @@ from sahajbert.arguments import PeerArguments
 
 
 class Lamb(torch.optim.Optimizer):
-    """LAMB (You et al., 2019) with bias correction and a clamped weight norm, as sahajBERT used it."""
+    """LAMB (You et al., 2019) as sahajBERT and sahajBERT-XL ran it: `torch_optimizer.Lamb` with debias on.
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, clamp_value=10.0):
+    The Adam direction is not bias-corrected; its layer-wise trust ratio (clamped weight norm over direction norm) is,
+    and then the step size is multiplied by sqrt(1 - beta2^t) / (1 - beta1^t). Correcting the direction instead would
+    be cancelled by the trust ratio's normalization, and early steps would be several times larger.
+    """
+
+    def __init__(
+        self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, clamp_value=10.0, max_grad_norm=None
+    ):
         if lr <= 0 or eps <= 0 or clamp_value <= 0 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"invalid LAMB settings: lr={lr}, betas={betas}, eps={eps}, clamp_value={clamp_value}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, clamp_value=clamp_value))
+        # clip the gradients this optimizer applies (in a swarm: the averaged ones) to this total norm first
+        self.max_grad_norm = max_grad_norm
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -34,6 +44,9 @@ class Lamb(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.max_grad_norm:
+            gradients = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(gradients, self.max_grad_norm)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -48,17 +61,15 @@ class Lamb(torch.optim.Optimizer):
                 exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
                 exp_avg.mul_(beta1).add_(p.grad, alpha=1 - beta1)
                 exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-                # bias correction ("debias"), folded into the Adam direction
-                correction1 = 1 - beta1 ** state["step"]
-                correction2 = 1 - beta2 ** state["step"]
-                update = (exp_avg / correction1) / (exp_avg_sq / correction2).sqrt().add_(group["eps"])
+                step_size = group["lr"] * math.sqrt(1 - beta2 ** state["step"]) / (1 - beta1 ** state["step"])
+                direction = exp_avg / exp_avg_sq.sqrt().add_(group["eps"])
                 if group["weight_decay"]:
-                    update.add_(p, alpha=group["weight_decay"])
+                    direction.add_(p, alpha=group["weight_decay"])
                 weight_norm = p.norm().clamp(0, group["clamp_value"])
-                update_norm = update.norm()
+                direction_norm = direction.norm()
                 # layer-wise trust ratio; 1 where either norm is 0 (fresh zeros, or no update)
-                trust = torch.where((weight_norm > 0) & (update_norm > 0), weight_norm / update_norm, 1.0)
-                p.add_(update * trust, alpha=-group["lr"])
+                trust = torch.where((weight_norm > 0) & (direction_norm > 0), weight_norm / direction_norm, 1.0)
+                p.add_(direction * trust, alpha=-step_size)
         return loss
 
 
@@ -79,16 +90,16 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def make_compression(name: str) -> CompressionBase:
-    """--compression -> hivemind codec; "adaptive": fp16 for small tensors, 8-bit for large ones (>= 64 Ki)."""
+    """--compression -> hivemind codec; "adaptive": fp16 for small tensors, 8-bit for large ones (> 64 Ki)."""
     if name == "none":
         return NoCompression()
     if name == "fp16":
         return Float16Compression()
     if name == "8bit":
         return Uniform8BitQuantization()
-    if name == "adaptive":
+    if name == "adaptive":  # sahajBERT-XL's: fp16 below 2^16 + 1 elements (tanmoyio/sahajBERT run_trainer.py:168)
         return SizeAdaptiveCompression(
-            threshold=2**16, less=Float16Compression(), greater_equal=Uniform8BitQuantization()
+            threshold=2**16 + 1, less=Float16Compression(), greater_equal=Uniform8BitQuantization()
         )
     raise ValueError(f"unknown compression '{name}'")
 
@@ -119,6 +130,7 @@ def build_collaborative_optimizer(
         betas=(training_args.adam_beta1, training_args.adam_beta2),
         eps=training_args.adam_epsilon,
         clamp_value=training_args.clamp_value,
+        max_grad_norm=training_args.max_grad_norm if training_args.clip_gradients == "averaged" else None,
     )
     scheduler = partial(
         get_linear_schedule_with_warmup,

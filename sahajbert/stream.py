@@ -11,11 +11,12 @@ from sahajbert.arguments import CorpusArguments
 from sahajbert.cli import UserError
 from sahajbert.collators import PretrainingCollator
 from sahajbert.corpus import SkipCounter, resolve_probabilities, resolve_sources, stream_documents
-from sahajbert.examples import PairBuilder
+from sahajbert.examples import SENTENCE_ENDS, PairBuilder
 from sahajbert.signals import StopRequest
 
 logger = logging.getLogger(__name__)
-BOUNDARIES = "\u0964, \u0965, ?, ! or a line break"  # what examples.SENTENCE_END splits on
+# what examples.SENTENCE_ENDS split on, in words
+BOUNDARIES = {"lines": "\u0964, \u0965, ?, ! or a line break", "punctuation": "\u0964, ? or !"}
 # a source whose first documents give no example at all is unusable: say so instead of reading it for ever
 MAX_FRUITLESS_DOCUMENTS = 1_000
 
@@ -33,22 +34,25 @@ def iterate_examples(
         sep_id=tokenizer.sep_token_id,
         max_seq_length=corpus_args.max_seq_length,
         short_seq_prob=corpus_args.short_seq_prob,
+        sentence_end=SENTENCE_ENDS[corpus_args.sentence_boundaries],
+        chunking=corpus_args.chunking,
     )
     rng = np.random.default_rng(seed)
     documents = stream_documents(sources, probabilities, seed, corpus_args.shuffle_buffer, skips, with_source=True)
     # per source: documents read while it has given no example yet (None once it has given one)
     fruitless: list[int | None] = [0] * len(sources)
+    boundaries = BOUNDARIES[corpus_args.sentence_boundaries]
     for index, text in documents:
         examples = builder(text, rng, with_text=with_text)
         if examples is None:
             label = sources[index].label
-            skips.skip(f"{label}: document with fewer than two sentences (no {BOUNDARIES} between them)")
+            skips.skip(f"{label}: document with fewer than two sentences (no {boundaries} between them)")
             if fruitless[index] is not None:
                 fruitless[index] += 1
                 if fruitless[index] >= MAX_FRUITLESS_DOCUMENTS:
                     raise UserError(
                         f"source '{sources[index].label}' gave no training example in {MAX_FRUITLESS_DOCUMENTS} "
-                        f"documents: each has fewer than two sentences (a sentence ends at {BOUNDARIES}; '.' does "
+                        f"documents: each has fewer than two sentences (a sentence ends at {boundaries}; '.' does "
                         "not end one). Give Bengali text, with documents of two or more sentences"
                     )
             continue

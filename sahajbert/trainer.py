@@ -200,6 +200,13 @@ class TrainerPeer(SwarmPeer):
             logger.warning(f"non-finite loss or gradients: this batch is dropped ({self.dropped_passes} so far)")
             self.optimizer.zero_grad(set_to_none=True)
             return None
+        training_args = self.args.training_args
+        if training_args.clip_gradients == "local" and training_args.max_grad_norm:
+            # each peer's own pass, before the swarm averages it (as DeDLOC's trainer clipped through the HF Trainer);
+            # with fp16 the gradients are unscaled first, so that the norm is the true one
+            if self.compute.scaler is not None:
+                self.compute.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), training_args.max_grad_norm)
         return pass_loss
 
     def _step(self, pass_loss: float) -> bool:

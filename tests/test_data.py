@@ -10,26 +10,20 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from sahajbert.arguments import CorpusArguments
 from sahajbert.cli import UserError
 from sahajbert.collators import IGNORE_INDEX, PretrainingCollator
 from sahajbert.corpus import SkipCounter, resolve_probabilities, resolve_sources, stream_documents
-from sahajbert.examples import PairBuilder, split_sentences
+from sahajbert.examples import SENTENCE_ENDS, PairBuilder, split_sentences
 from sahajbert.stream import Prefetcher, batched, iterate_examples
 from sahajbert.tokenization import word_start_table
 
 from .swarm_helpers import ROOT
 
 
-def corpus_args(files, **overrides):
-    defaults = dict(
-        sources=[],
-        source_probabilities=None,
-        data_files=files,
-        shuffle_buffer=1000,
-        max_seq_length=128,
-        short_seq_prob=0.1,
-    )
-    return SimpleNamespace(**{**defaults, **overrides})
+def corpus_args(files, **overrides) -> CorpusArguments:
+    defaults = dict(sources=[], data_files=files, shuffle_buffer=1000, max_seq_length=128, short_seq_prob=0.1)
+    return CorpusArguments(**{**defaults, **overrides})
 
 
 def test_split_sentences_on_danda_question_exclamation_and_newline():
@@ -296,3 +290,21 @@ def test_preview_bad_tokenizer_is_one_line(tmp_path, sample_files):
         timeout=120,
     )
     assert result.returncode == 2 and "no tokenizer in" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_references_sentence_boundaries_are_danda_question_and_exclamation_only():
+    text = "আমি ভাত খাই। তুমি কী খাও? নতুন লাইন\nএকই বাক্য॥ এখনও একই"
+    spans = split_sentences(text, SENTENCE_ENDS["punctuation"])
+    assert [text[s:e].strip() for s, e in spans] == ["আমি ভাত খাই।", "তুমি কী খাও?", "নতুন লাইন\nএকই বাক্য॥ এখনও একই"]
+
+
+def test_the_references_chunking_fills_every_example_to_the_maximum_length(tokenizer, sample_files):
+    """chunking=references: sentences until max_seq_length tokens, then truncated; albert: some shorter examples."""
+    lengths = {}
+    for chunking in ("albert", "references"):
+        args = corpus_args(sample_files, max_seq_length=64, chunking=chunking, short_seq_prob=0.5)
+        examples = itertools.islice(iterate_examples(args, tokenizer, seed=3), 200)
+        lengths[chunking] = [len(e["input_ids"]) for e in examples]
+    # a pair is cut from whole sentences, so a document's last chunk may come out shorter in either mode
+    full = {chunking: sum(n == 64 for n in found) for chunking, found in lengths.items()}
+    assert full["references"] >= 0.6 * 200 and full["references"] > 1.3 * full["albert"], full

@@ -152,6 +152,9 @@ def test_evaluate_prints_the_table(pretrained, tmp_path):
             "1",
             "--output_dir",
             str(tmp_path),
+            # sahajBERT-XL's protocol, with the quick settings given in --ner_args/--ncc_args winning over it
+            "--protocol",
+            "sahajbert-xl",
             "--ner_args",
             f"{files} --num_train_epochs 2 {' '.join(QUICK)}",
             "--ncc_args",
@@ -167,7 +170,13 @@ def test_evaluate_prints_the_table(pretrained, tmp_path):
     assert " ± " in result.stdout.split("| model |", 1)[1]
     saved = json.loads((tmp_path / "results.json").read_text())
     assert len(saved["runs"]) == 4 and len(saved["table"][pretrained]["ner"]["scores"]) == 2
-    assert (tmp_path / "results.md").read_text().startswith("| model |")
+    assert "fine-tuned with the sahajbert-xl protocol" in result.stdout
+    assert (tmp_path / "results.md").read_text().startswith("fine-tuning protocol: sahajbert-xl\n\n| model |")
+    # the protocol's own choices stand where no flag replaced them: the best epoch by validation loss, dropout 0.1
+    assert all(run["protocol"] == "sahajbert-xl" and run["best_model_metric"] == "loss" for run in saved["runs"])
+    assert all(run["epochs_trained"] <= 2 for run in saved["runs"]), "--num_train_epochs 2 wins over the protocol's 20"
+    config = json.loads((tmp_path / "model0" / "ner" / "seed0" / "config.json").read_text())
+    assert config["hidden_dropout_prob"] == 0.1
 
 
 def test_seqeval_on_a_hand_made_example():

@@ -35,3 +35,17 @@ def test_a_stop_request_ends_the_loop_before_any_step(tmp_path):
     with TrainerPeer(peer_args) as peer:
         result = peer.run(stop)
     assert result.steps == [] and result.final_step == 0 and list_checkpoints(tmp_path) == []
+
+
+def test_local_clipping_bounds_each_pass_before_it_is_handed_to_the_swarm(tmp_path):
+    """--clip_gradients local (DeDLOC's): the gradients of a pass are clipped before hivemind accumulates them."""
+    norms = {}
+    for mode in ("local", "averaged"):
+        flags = tiny_trainer_flags(max_steps=3, output_dir=tmp_path / mode)
+        (peer_args,) = parse_args((PeerArguments,), [*flags, "--clip_gradients", mode, "--max_grad_norm", "0.05"])
+        with TrainerPeer(peer_args) as peer:
+            peer.stop = StopRequest()
+            assert peer._forward_backward() is not None
+            grads = [p.grad for p in peer.model.parameters() if p.grad is not None]
+            norms[mode] = torch.sqrt(sum(g.pow(2).sum() for g in grads)).item()
+    assert norms["local"] <= 0.05 + 1e-6 < norms["averaged"], norms

@@ -1,6 +1,7 @@
 """The parts a trainer is built from: presets, LAMB, schedule, rollback, checkpoints, precision, metrics."""
 
 import json
+import math
 import runpy
 
 import pytest
@@ -75,8 +76,9 @@ def test_lamb_minimizes_and_scales_updates_by_weight_norm():
         optimizer.zero_grad()
         (weight - target).pow(2).mean().backward()
         optimizer.step()
-        if step == 0:  # trust ratio: the first step moves the weights by exactly lr * ||w||
-            assert (weight - before).norm().item() == pytest.approx(0.05 * before.norm().item(), rel=1e-4)
+        if step == 0:  # trust ratio: the first step moves the weights by lr * ||w|| * sqrt(1 - beta2) / (1 - beta1)
+            expected = 0.05 * before.norm().item() * math.sqrt(1 - 0.999) / (1 - 0.9)
+            assert (weight - before).norm().item() == pytest.approx(expected, rel=1e-4)
     assert (weight - target).pow(2).mean().item() < 0.01 * start
 
 
@@ -86,7 +88,33 @@ def test_lamb_clamps_the_weight_norm():
     weight.sum().backward()
     before = weight.detach().clone()
     optimizer.step()
-    assert (weight - before).norm().item() == pytest.approx(0.1 * 10.0, rel=1e-4)
+    assert (weight - before).norm().item() == pytest.approx(0.1 * 10.0 * math.sqrt(1 - 0.999) / (1 - 0.9), rel=1e-4)
+
+
+def test_lamb_equals_torch_optimizer_lamb_with_debias_step_for_step():
+    """The optimizer both references ran (torch_optimizer.Lamb, debias on): 300 steps, decay and clamp included."""
+    import torch_optimizer  # requirements-dev.txt: a test-only dependency
+
+    torch.manual_seed(0)
+    shapes = [(16, 8), (8,), (4, 4, 3), (5,)]
+    ours = [torch.nn.Parameter(torch.randn(s) * (10.0 if i == 2 else 1.0)) for i, s in enumerate(shapes)]
+    ours.append(torch.nn.Parameter(torch.zeros(6)))  # a fresh bias: trust ratio 1
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    settings = dict(lr=0.00176, betas=(0.9, 0.999), eps=1e-6)
+
+    def groups(params):
+        return [{"params": params[:3], "weight_decay": 0.01}, {"params": params[3:], "weight_decay": 0.0}]
+
+    mine = Lamb(groups(ours), clamp_value=5.0, **settings)  # clamp 5: the third tensor's norm is above it
+    reference = torch_optimizer.Lamb(groups(theirs), clamp_value=5.0, debias=True, **settings)
+    for step in range(300):
+        gradients = [torch.randn(p.shape) * (step % 7 + 1) for p in ours]
+        for params, optimizer in ((ours, mine), (theirs, reference)):
+            for p, g in zip(params, gradients):
+                p.grad = g.clone()
+            optimizer.step()
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"step {step + 1}")
 
 
 def test_lr_schedule_shape():
@@ -263,3 +291,28 @@ def test_scripts_answer_help(name, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--help"])
     assert exit_.value.code == 0 and "usage:" in capsys.readouterr().out
+
+
+def test_averaged_clipping_clips_what_lamb_applies():
+    """--clip_gradients averaged: LAMB clips the (averaged) gradients it is given to --max_grad_norm, then steps.
+
+    Two steps of very different scale: the moments, and so the steps, depend on the gradients' relative size."""
+    torch.manual_seed(0)
+    start = [torch.randn(8, 8), torch.randn(8)]
+    steps = [[torch.randn(8, 8) * 50, torch.randn(8) * 50], [torch.randn(8, 8) * 0.5, torch.randn(8) * 0.5]]
+
+    def run(max_grad_norm, scale_by_hand):
+        params = [torch.nn.Parameter(p.clone()) for p in start]
+        optimizer = Lamb(params, lr=0.01, max_grad_norm=max_grad_norm)
+        for gradients in steps:
+            norm = torch.sqrt(sum(g.pow(2).sum() for g in gradients))
+            for p, g in zip(params, gradients):
+                p.grad = g / max(1.0, norm) if scale_by_hand else g.clone()
+            optimizer.step()
+            if max_grad_norm:
+                assert torch.sqrt(sum(p.grad.pow(2).sum() for p in params)) <= max_grad_norm + 1e-5
+        return params
+
+    clipped, by_hand, unclipped = run(1.0, False), run(None, True), run(None, False)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(clipped, by_hand))
+    assert not all(torch.allclose(a, b, atol=1e-4) for a, b in zip(clipped, unclipped)), "clipping must matter here"

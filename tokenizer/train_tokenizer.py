@@ -17,7 +17,16 @@ FLAGS = Flags(
     description="Train the sahajBERT Unigram tokenizer from the streamed corpus (default) or local files.",
     # examples, masking and the tokenizer to load are for training the model, not the tokenizer
     skip=frozenset(
-        {"max_seq_length", "short_seq_prob", "mlm_probability", "masking", "pad_to_multiple_of", "tokenizer_path"}
+        {
+            "max_seq_length",
+            "short_seq_prob",
+            "mlm_probability",
+            "masking",
+            "pad_to_multiple_of",
+            "tokenizer_path",
+            "sentence_boundaries",
+            "chunking",
+        }
     ),
 )
 

@@ -42,7 +42,9 @@ def test_two_trainers_make_global_steps_and_agree(tmp_path, swarm, mode, model):
     # trainers average once more); lockstep: every peer waits for each all-reduce before its next step.
     # tiny-xl: LeanALBERT, sahajBERT-XL's architecture, at the tiny sizes
     flags = ["--delay_optimizer_step", "false", "--delay_grad_averaging", "false"] if mode == "lockstep" else []
-    flags += ["--model", model]
+    # a 30 s final window, as for the late trainer: on a busy 2-core machine one trainer can reach --max_steps more
+    # than the tiny preset's 10 s after the other (a fresh-clone CI run: its final round found nobody)
+    flags += ["--model", model, "--final_averaging_window", "30"]
     peers = [trainer(tmp_path, f"t{i}", run_id, initial_peers, "--max_steps", "5", *flags) for i in range(2)]
     try:
         for peer in peers:

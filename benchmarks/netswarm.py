@@ -8,7 +8,9 @@ for latency, benchmarks/delayswitch.py, a userspace switch in the hub that holds
 (it needs ethtool, to switch the veths' offloads off). The round trip between peers is measured and printed. It runs
 a first peer, N trainers (the last in client mode, as a firewalled volunteer) and optionally an aux peer that
 assists averaging, kills one trainer and starts a new one every --churn_every seconds (or every
---churn_every_steps global steps of the swarm), and prints one table per run.
+--churn_every_steps global steps of the swarm), and prints one table per run. The peers use their automatic timing
+and measured bandwidth unless timing flags are given; `--heterogeneous` gives the trainers different links and
+`--balance compare` runs the equal split and bandwidth balancing one after the other, side by side.
 Everything it created (namespaces, veths, processes) is removed on exit, on Ctrl+C and on failure.
 """
 
@@ -25,14 +27,22 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from sahajbert.adaptive import payload_bytes
+from sahajbert.arguments import LocalTrainingArguments
 from sahajbert.checkpoints import list_checkpoints
-from sahajbert.localswarm import PeerProcess, tiny_trainer_flags, wait_for
+from sahajbert.localswarm import (
+    AGREEMENT_ATOL,
+    AGREEMENT_RTOL,
+    PeerProcess,
+    checkpoints_agree,
+    tiny_trainer_flags,
+    wait_for,
+)
 from sahajbert.train_log import read_train_log
 
 REPO = Path(__file__).resolve().parents[1]  # the scripts each namespace runs
 
 SUBNET = "10.77.{}.{}"  # private addresses that exist only inside this benchmark's namespaces
-AGREEMENT_ATOL, AGREEMENT_RTOL = 2e-3, 1e-2  # fp16-compressed averaging keeps peers this close
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,36 @@ PROFILES = {
     "slow": LinkProfile(20, 5, (25.0, 50.0)),
     "datacenter": LinkProfile(1000, 1000, (0.5,)),
 }
+# --heterogeneous: trainer i gets profile i (cycled): one fast peer and two slower ones, each below the delay
+# switch's forwarding ceiling (measured and printed every run)
+HETEROGENEOUS = (
+    LinkProfile(200, 200, (12.5,)),
+    LinkProfile(100, 20, (25.0,)),
+    LinkProfile(20, 5, (37.5,)),
+)
+
+
+# the forwarding-ceiling probe: the server prints the Mbit/s it received over the later 2/3 of the transfer
+THROUGHPUT_SERVER = """
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[1], 5201)); s.listen(1)
+c, _ = s.accept(); marks = []
+while True:
+    data = c.recv(1 << 16)
+    if not data:
+        break
+    marks.append((time.perf_counter(), len(data)))
+start, end = marks[0][0], marks[-1][0]
+later = [(t, n) for t, n in marks if t >= start + (end - start) / 3]
+print(sum(n for _, n in later[1:]) * 8 / 1e6 / max(1e-9, later[-1][0] - later[0][0]))
+"""
+THROUGHPUT_CLIENT = """
+import socket, time
+s = socket.create_connection(("{ip}", 5201), timeout=5); payload = bytes(1 << 16); end = time.time() + {seconds}
+while time.time() < end:
+    s.sendall(payload)
+s.close()
+"""
 
 
 def sh(*command: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -94,14 +134,16 @@ class Network:
         self.hub = f"sb{tag}hub"
         self.hosts: list[str] = []
         self.ports: dict[str, float] = {}  # hub-side port -> its one-way latency in ms
+        self.links: dict[str, LinkProfile] = {}  # shaped host namespace -> its link
         self.switch: PeerProcess | None = None
         sh("ip", "netns", "add", self.hub)
         if latency == "netem":
             sh("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
             sh("ip", "-n", self.hub, "link", "set", "br0", "up")
 
-    def add_host(self, index: int, shaped: bool = True) -> tuple[str, str]:
-        """Create host `index`; return (namespace, its IP address)."""
+    def add_host(self, index: int, shaped: bool = True, profile: LinkProfile | None = None) -> tuple[str, str]:
+        """Create host `index` (on `profile`, default the network's); return (namespace, its IP address)."""
+        profile = profile or self.profile
         ns, ip = f"sb{self.tag}h{index}", SUBNET.format(index // 250, index % 250 + 1)
         sh("ip", "netns", "add", ns)
         self.hosts.append(ns)
@@ -117,11 +159,12 @@ class Network:
         sh("ip", "-n", ns, "addr", "add", f"{ip}/16", "dev", "eth0")
         sh("ip", "-n", ns, "link", "set", "eth0", "up")
         sh("ip", "-n", ns, "link", "set", "lo", "up")
-        delay = self.profile.one_way_ms[index % len(self.profile.one_way_ms)] if shaped else 0.0
+        delay = profile.one_way_ms[index % len(profile.one_way_ms)] if shaped else 0.0
         self.ports[f"v{index}"] = delay
         if shaped:
-            self._shape(ns, "eth0", self.profile.up_mbit, delay)  # what this host sends: its upload
-            self._shape(self.hub, f"v{index}", self.profile.down_mbit, delay)  # what it receives: its download
+            self._shape(ns, "eth0", profile.up_mbit, delay)  # what this host sends: its upload
+            self._shape(self.hub, f"v{index}", profile.down_mbit, delay)  # what it receives: its download
+            self.links[ns] = profile
         return ns, ip
 
     def start(self) -> None:
@@ -153,6 +196,23 @@ class Network:
         )
         return float(sh("ip", "netns", "exec", from_ns, sys.executable, "-c", probe).stdout)
 
+    def throughput_mbit(self, from_ns: str, to_ns: str, to_ip: str, seconds: float = 3.0) -> float:
+        """TCP throughput from one host to another, over the later two thirds of a `seconds` transfer (Mbit/s)."""
+        server = subprocess.Popen(
+            ["ip", "netns", "exec", to_ns, sys.executable, "-c", THROUGHPUT_SERVER, to_ip],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            client = THROUGHPUT_CLIENT.format(ip=to_ip, seconds=seconds)
+            for _ in range(50):  # the server needs a moment to listen
+                if sh("ip", "netns", "exec", from_ns, sys.executable, "-c", client, check=False).returncode == 0:
+                    break
+                time.sleep(0.1)
+            return float(server.communicate(timeout=seconds + 30)[0])
+        finally:
+            server.kill()
+
     def _shape(self, ns: str, device: str, mbit: float, delay_ms: float) -> None:
         if self.latency == "netem":
             qdisc = ["netem", "delay", f"{delay_ms}ms", "rate", f"{mbit}mbit", "limit", "10000"]
@@ -178,7 +238,17 @@ class Network:
             sh("ip", "netns", "del", ns, check=False)
 
 
+TRAINING = re.compile(r"samples toward the next step|global step \d")  # a trainer's log once it trains
+# timing flags passed on to every peer only when given: by default each peer plans its own (sahajbert.adaptive)
+TIMING_FLAGS = ("averaging_timeout", "next_chunk_timeout", "matchmaking_time", "final_averaging_window")
+
+
 def trainer_args(args, run_id: str, initial_peers: list[str], ip: str, output_dir: Path, client: bool) -> list[str]:
+    timing = {name: getattr(args, name) for name in TIMING_FLAGS if getattr(args, name) is not None}
+    if args.model not in ("tiny", "tiny-xl"):  # the tiny preset's learning rate diverges at the real sizes
+        timing["learning_rate"] = LocalTrainingArguments.learning_rate
+    if args.balance == "equal":  # every peer declares the same bandwidth: hivemind splits the all-reduce equally
+        timing["bandwidth"] = 100
     flags = ["--run_id", run_id, "--initial_peers", *initial_peers] + tiny_trainer_flags(
         host=ip,
         model=args.model,
@@ -188,9 +258,7 @@ def trainer_args(args, run_id: str, initial_peers: list[str], ip: str, output_di
         save_steps=args.max_steps,
         output_dir=output_dir,
         metadata_expiration=args.metadata_expiration,
-        next_chunk_timeout=args.next_chunk_timeout,
-        averaging_timeout=args.averaging_timeout,
-        final_averaging_window=args.final_averaging_window,
+        **timing,
     )
     if args.lockstep:  # no delayed updates: every peer waits for each all-reduce before its next step
         flags += ["--delay_optimizer_step", "false", "--delay_grad_averaging", "false"]
@@ -199,9 +267,24 @@ def trainer_args(args, run_id: str, initial_peers: list[str], ip: str, output_di
 
 def ideal_bytes_per_step(parameters: int, peers: float, compression: str) -> float:
     """Butterfly all-reduce: each of N peers sends 2 (N - 1) / N of the payload, for gradients and parameters."""
-    grad_bytes = {"none": 4, "fp16": 2, "8bit": 1, "adaptive": 1}[compression]
-    state_bytes = 4 if compression == "none" else 2
-    return 2 * (peers - 1) / peers * parameters * (grad_bytes + state_bytes) if peers > 1 else 0.0
+    gradient_bytes, state_bytes = payload_bytes(parameters, compression)
+    return 2 * (peers - 1) / peers * (gradient_bytes + state_bytes) if peers > 1 else 0.0
+
+
+def final_round_bytes(parameters: int, final_round: list, compression: str) -> float:
+    """The final parameter round's butterfly volume per peer (parameters only), for the peers that took part."""
+    peers = max((int(found[-1]) for found in final_round if found), default=0)
+    _, state_bytes = payload_bytes(parameters, compression)
+    return 2 * (peers - 1) / peers * state_bytes if peers > 1 else 0.0
+
+
+def model_parameters(preset: str) -> int:
+    """The preset's parameter count, from its config (the bundled sample tokenizer's vocabulary, as the peers use)."""
+    from sahajbert.model import count_parameters, load_config
+    from sahajbert.samples import SAMPLE_NAME
+    from sahajbert.tokenization import load_tokenizer
+
+    return count_parameters(load_config(preset, load_tokenizer(SAMPLE_NAME)))
 
 
 def run_scenario(args, workdir: Path, tag: str) -> dict:
@@ -217,11 +300,21 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
         aux_host = net.add_host(1) if args.aux else None
         # a replacement after churn is another volunteer: its own namespace and address, made before the switch starts
         joiners = args.churn_events if args.churn_every or args.churn_every_steps else 0
-        hosts = {2 + i: net.add_host(2 + i) for i in range(args.trainers + joiners)}
+        hosts = {2 + i: net.add_host(2 + i, profile=trainer_profile(args, i)) for i in range(args.trainers + joiners)}
+        # an unshaped host beside the first peer's, to measure what the hub itself forwards
+        ceiling_host = net.add_host(250, shaped=False) if latency == "switch" else None
         net.start()
         # measured, not assumed: the round trip between the first two trainers' namespaces
         rtt_ms = net.round_trip_ms(hosts[2][0], hosts[3][1]) if len(hosts) > 1 else 0.0
         print(f"round trip between trainer hosts: {rtt_ms:.1f} ms", flush=True)
+        ceiling = net.throughput_mbit(ceiling_host[0], first_host[0], first_host[1]) if ceiling_host else None
+        if ceiling is not None:
+            print(f"the delay switch forwards up to {ceiling:.0f} Mbit/s (unshaped TCP through the hub)", flush=True)
+            too_fast = sorted(
+                {max(p.up_mbit, p.down_mbit) for p in net.links.values() if max(p.up_mbit, p.down_mbit) > ceiling}
+            )
+            if too_fast:
+                print(f"warning: links of {too_fast} Mbit/s exceed the switch's ceiling: they run slower", flush=True)
         ns, ip = first_host
         first = PeerProcess(
             REPO / "run_first_peer.py",
@@ -246,9 +339,13 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
                 )
             )
 
+        started_at: dict[str, float] = {}
+        host_of: dict[str, str] = {}
+
         def start_trainer(index: int, client: bool) -> str:
             name = f"trainer{len(trainers)}"
             ns, ip = hosts[index]
+            started_at[name], host_of[name] = time.time(), ns
             trainers[name] = PeerProcess(
                 REPO / "run_trainer.py",
                 trainer_args(args, run_id, initial_peers, ip, workdir / name, client),
@@ -260,14 +357,18 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
         for i in range(args.trainers):
             # one firewalled volunteer (client mode) once there are 3 trainers: with 2, churn could leave it alone,
             # and a client-mode peer can neither host an all-reduce group nor serve the state to a newcomer
-            start_trainer(2 + i, client=i == args.trainers - 1 and args.trainers >= 3)
-        start_bytes = {ns: net.tx_bytes(ns) for ns, _ in hosts.values()}
+            start_trainer(2 + i, client=i == args.trainers - 1 and args.trainers >= 3 and not args.heterogeneous)
+        # the byte counters start once every trainer trains: before that, link probes and a download of the first
+        # trainer's parameters are the traffic of starting, not of averaging
+        start_bytes = None
         started, next_churn, churn_slot = time.time(), time.time() + args.churn_every, 0
         next_churn_step = args.churn_every_steps
         while any(p.running() for p in trainers.values()):
             if time.time() - started > args.timeout:
                 raise TimeoutError(f"the scenario did not finish in {args.timeout} s")
             swarm_step = max((r.step for name in trainers for r in read_train_log(workdir / name)[-1:]), default=0)
+            if start_bytes is None and all(TRAINING.search(p.output()) for p in trainers.values()):
+                start_bytes = {ns: net.tx_bytes(ns) for ns, _ in hosts.values()}
             due = (args.churn_every and time.time() >= next_churn) or (
                 args.churn_every_steps and swarm_step >= next_churn_step
             )
@@ -282,7 +383,9 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
                 next_churn_step = swarm_step + args.churn_every_steps
                 print(f"churn: killed {victim}, started {name} on a new host", flush=True)
             time.sleep(1)
-        sent = sum(net.tx_bytes(ns) - start_bytes[ns] for ns, _ in hosts.values())
+        start_bytes = start_bytes or {ns: net.tx_bytes(ns) for ns, _ in hosts.values()}
+        sent_by_host = {ns: net.tx_bytes(ns) - start_bytes[ns] for ns, _ in hosts.values()}
+        sent = sum(sent_by_host.values())
         failed = [name for name, p in trainers.items() if p.process.returncode not in (0, -signal.SIGKILL)]
         if failed:
             raise RuntimeError(f"{failed} failed:\n" + trainers[failed[0]].output()[-3000:])
@@ -290,12 +393,23 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
         for p in [*trainers.values(), *processes]:
             p.stop(timeout=20)
         net.teardown()
-    return summarize(args, workdir, trainers, kills, sent, latency, rtt_ms)
+    network = {
+        "latency_by": latency,
+        "round_trip_ms": rtt_ms,
+        "switch_ceiling_mbit": ceiling,
+        "sent_by_trainer": {name: sent_by_host[host_of[name]] for name in trainers},
+        "link_of_trainer": {name: net.links[host_of[name]] for name in trainers},
+        "started_at": started_at,
+    }
+    return summarize(args, workdir, trainers, kills, sent, network)
 
 
-def summarize(
-    args, workdir: Path, trainers: dict, kills: list[float], sent_bytes: int, latency: str, rtt_ms: float
-) -> dict:
+def trainer_profile(args, index: int) -> LinkProfile:
+    return HETEROGENEOUS[index % len(HETEROGENEOUS)] if args.heterogeneous else PROFILES[args.profile]
+
+
+def summarize(args, workdir: Path, trainers: dict, kills: list[float], sent_bytes: int, network: dict) -> dict:
+    latency, rtt_ms = network["latency_by"], network["round_trip_ms"]
     logs = {name: read_train_log(workdir / name) for name in trainers}
     records = [r for log in logs.values() for r in log]
     steps = sorted({r.step for r in records})
@@ -303,8 +417,9 @@ def summarize(
     duration = times[steps[-1]] - times[steps[0]]
     step_seconds = duration / max(1, len(steps) - 1)
     compute = sum(r.compute_seconds for r in records) / max(1, len(records))
+    # each failure as the trainer logged it (sahajbert.adaptive.RoundMonitor), killed trainers' included
     failed_rounds = sum(
-        len(re.findall(r"Averaging (gradients )?failed with", (workdir / f"{n}.log").read_text())) for n in trainers
+        len(re.findall(r"averaging round failed \(", (workdir / f"{n}.log").read_text())) for n in trainers
     )
     lost = 0
     for kill_time in kills:  # the step in progress at the kill: the victim's samples counted but never applied
@@ -313,9 +428,36 @@ def summarize(
             applied = sum(r.samples for r in records if r.step == step)
             lost += max(0, args.target_batch_size - applied)
     peers = sum(r.peers for r in records) / max(1, len(records))
-    parameters = {"tiny": 124_530}.get(args.model, 0)
-    from safetensors.torch import load_file
-
+    parameters = model_parameters(args.model)
+    # compute utilization: each trainer's forward/backward seconds over the wall seconds its records span
+    utilization = []
+    for log in logs.values():
+        if len(log) >= 2:
+            wall = log[-1].time - log[0].time
+            utilization.append(sum(r.compute_seconds for r in log[1:]) / wall if wall > 0 else 0.0)
+    round_times = [r.round_seconds for r in records if r.round_seconds is not None]
+    samples = sum(r.samples for r in records)
+    links = network["link_of_trainer"]
+    bandwidth = {
+        name: {
+            "declared_mbit": next((r.bandwidth_mbit for r in reversed(log) if r.bandwidth_mbit is not None), None),
+            "shaped_mbit": min(links[name].up_mbit, links[name].down_mbit),
+            "sent_bytes": network["sent_by_trainer"][name],
+        }
+        for name, log in logs.items()
+    }
+    # a newcomer (started after the first global step): seconds from its start to its first contributed step
+    newcomers = []
+    state_bytes = 3 * parameters * (4 if args.compression == "none" else 2)  # parameters + LAMB's two moments
+    for name, log in logs.items():
+        contributed = [r for r in log if r.samples > 0]
+        if name in network["started_at"] and steps and network["started_at"][name] > times[steps[0]] and contributed:
+            link = links[name]
+            serving_up = min(links[other].up_mbit for other in links if other != name)
+            bound = 2 * state_bytes * 8 / (min(serving_up, link.down_mbit) * 1e6) + 10
+            newcomers.append(
+                {"trainer": name, "seconds": contributed[0].time - network["started_at"][name], "bound": bound}
+            )
     # every trainer that finished cleanly, by its latest checkpoint (written after the final parameter round)
     finishers = [name for name, p in trainers.items() if p.process.returncode == 0]
     final_round = [
@@ -326,13 +468,20 @@ def summarize(
         saved = list_checkpoints(workdir / name)
         if saved:
             step, checkpoint = saved[-1]
-            finals.append(load_file(checkpoint / "model.safetensors"))
+            finals.append(checkpoint)
             final_steps.append(step)
-    pairs = [(a[k], b[k]) for a, b in zip(finals, finals[1:]) for k in a]
-    difference = max((float((a - b).abs().max()) for a, b in pairs), default=0.0)
-    # the agreement criterion of the two-trainer test: |a - b| <= atol + rtol * |b| for every entry
-    agree = all(bool(((a - b).abs() <= AGREEMENT_ATOL + AGREEMENT_RTOL * b.abs()).all()) for a, b in pairs)
+    agree, difference = checkpoints_agree(finals)
     return {
+        "model": args.model,
+        "parameters": parameters,
+        "balance": args.balance,
+        "heterogeneous": args.heterogeneous,
+        "switch_ceiling_mbit": network["switch_ceiling_mbit"],
+        "compute_utilization": sum(utilization) / len(utilization) if utilization else 0.0,
+        "bytes_per_sample": sent_bytes / max(1, samples),
+        "seconds_per_round": sum(round_times) / len(round_times) if round_times else None,
+        "bandwidth": bandwidth,
+        "newcomers": newcomers,
         "profile": args.profile,
         "latency_by": latency,
         "round_trip_ms": rtt_ms,
@@ -344,8 +493,11 @@ def summarize(
         "steps_per_minute": 60 * (len(steps) - 1) / duration if duration else 0.0,
         "seconds_per_step": step_seconds,
         "compute_seconds_per_step": compute,
+        # bytes counted from the moment every trainer trained, over every record (the final round included)
         "bytes_per_peer_step": sent_bytes / max(1, len(records)),
-        "ideal_bytes_per_peer_step": ideal_bytes_per_step(parameters, peers, args.compression),
+        # the butterfly volume of every step's two rounds, plus the final parameter round spread over the steps
+        "ideal_bytes_per_peer_step": ideal_bytes_per_step(parameters, peers, args.compression)
+        + final_round_bytes(parameters, final_round, args.compression) / max(1, len(steps)),
         "failed_rounds": failed_rounds,
         "samples_lost_to_churn": lost,
         "steps_after_last_churn": sum(times[s] > kills[-1] for s in steps) if kills else len(steps),
@@ -368,15 +520,25 @@ def print_table(result: dict) -> None:
         f"aux={'assisting' if result['aux'] else 'none'}, trainers={result['trainers']}, "
         f"churn events={result['churn_events']}\n"
     )
+    ceiling = result["switch_ceiling_mbit"]
     rows = [
+        ("model (parameters)", f"{result['model']} ({result['parameters']:,})"),
+        ("bandwidth balance", result["balance"] + (" (heterogeneous links)" if result["heterogeneous"] else "")),
+        ("delay switch forwarding ceiling (measured)", f"{ceiling:.0f} Mbit/s" if ceiling else "n/a (kernel bridge)"),
         ("round trip between trainers (measured)", f"{result['round_trip_ms']:.1f} ms"),
         ("global steps", f"{result['global_steps']}"),
         ("global steps per minute", f"{result['steps_per_minute']:.2f}"),
         ("seconds per global step", f"{result['seconds_per_step']:.2f}"),
         ("  of which compute (forward/backward)", f"{result['compute_seconds_per_step']:.2f}"),
         ("  of which averaging and waiting", f"{result['seconds_per_step'] - result['compute_seconds_per_step']:.2f}"),
+        ("compute utilization (compute / wall seconds per trainer)", f"{result['compute_utilization']:.1%}"),
+        (
+            "seconds per gradient all-reduce round",
+            f"{result['seconds_per_round']:.2f}" if result["seconds_per_round"] is not None else "none finished",
+        ),
         ("bytes sent per peer per global step", f"{result['bytes_per_peer_step']:,.0f}"),
         ("ideal all-reduce bytes per peer per step", f"{result['ideal_bytes_per_peer_step']:,.0f}"),
+        ("bytes sent by all trainers per sample trained", f"{result['bytes_per_sample']:,.0f}"),
         ("failed averaging rounds", f"{result['failed_rounds']}"),
         ("samples lost to churn", f"{result['samples_lost_to_churn']}"),
         ("global steps after the last churn event", f"{result['steps_after_last_churn']}"),
@@ -388,9 +550,47 @@ def print_table(result: dict) -> None:
             "yes" if result["parameters_agree"] else "NO",
         ),
     ]
+    for name, b in result["bandwidth"].items():
+        declared = f"{b['declared_mbit']:.1f}" if b["declared_mbit"] is not None else "none"
+        rows.append(
+            (
+                f"{name}: declared / shaped Mbit/s, bytes sent",
+                f"{declared} / {b['shaped_mbit']:g}, {b['sent_bytes']:,}",
+            )
+        )
+    for newcomer in result["newcomers"]:
+        rows.append(
+            (
+                f"{newcomer['trainer']} (newcomer): seconds to its first contribution (bound)",
+                f"{newcomer['seconds']:.1f} ({newcomer['bound']:.1f})",
+            )
+        )
     print("| measurement | value |\n|---|---:|")
     for name, value in rows:
         print(f"| {name} | {value} |")
+
+
+def print_comparison(results: list[dict]) -> None:
+    """--balance compare: the equal split and bandwidth balancing side by side."""
+    print("\n| measurement | " + " | ".join(f"balance={r['balance']}" for r in results) + " |")
+    print("|---|" + "---:|" * len(results))
+    keys = (
+        ("seconds per gradient all-reduce round", "seconds_per_round", "{:.2f}"),
+        ("seconds per global step", "seconds_per_step", "{:.2f}"),
+        ("compute utilization", "compute_utilization", "{:.1%}"),
+        ("failed averaging rounds", "failed_rounds", "{}"),
+        ("bytes sent per sample", "bytes_per_sample", "{:,.0f}"),
+    )
+    for title, key, form in keys:
+        cells = [form.format(r[key]) if r[key] is not None else "n/a" for r in results]
+        print(f"| {title} | " + " | ".join(cells) + " |")
+    for name in results[0]["bandwidth"]:
+        cells = [f"{r['bandwidth'][name]['sent_bytes']:,}" for r in results]
+        shaped = results[0]["bandwidth"][name]["shaped_mbit"]
+        print(f"| {name} ({shaped:g} Mbit/s) bytes sent | " + " | ".join(cells) + " |")
+    if len(results) == 2 and all(r["seconds_per_round"] for r in results):
+        speedup = results[0]["seconds_per_round"] / results[1]["seconds_per_round"]
+        print(f"\nbandwidth balancing: {speedup:.2f}x faster rounds than the equal split")
 
 
 def main(argv=None) -> int:
@@ -417,27 +617,19 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--metadata_expiration", type=float, default=15.0, help="seconds a progress report lives; short under churn"
     )
+    for name in TIMING_FLAGS:  # the trainers' automatic timing unless given (sahajbert.adaptive)
+        parser.add_argument(f"--{name}", type=float, default=None, help=f"every peer's --{name} (default: automatic)")
     parser.add_argument(
-        "--next_chunk_timeout",
-        type=float,
-        default=10.0,
-        help="seconds an all-reduce waits for a peer's next chunk before averaging without it; hivemind's default "
-        "(the matchmaking time, 3 s here) drops parts of the last rounds on a 20 Mbit/s uplink",
+        "--heterogeneous",
+        action="store_true",
+        help="trainer links 200/200, 100/20 and 20/5 Mbit/s (cycled) instead of one --profile; no client-mode peer",
     )
     parser.add_argument(
-        "--averaging_timeout",
-        type=float,
-        default=10.0,
-        help="seconds before an all-reduce round that found no group is abandoned (it then uses local gradients); "
-        "a round takes 3-4 s on these links, and with 30 s two peers whose rounds start apart after churn can keep "
-        "missing each other, each round failing after the full timeout",
-    )
-    parser.add_argument(
-        "--final_averaging_window",
-        type=float,
-        default=20.0,
-        help="seconds the trainers that reach --max_steps wait for each other to average parameters one last time; "
-        "on these links the last one can finish ~10 s after the first (a next_chunk_timeout)",
+        "--balance",
+        choices=["bandwidth", "equal", "compare"],
+        default="bandwidth",
+        help="bandwidth: each peer declares its measured bandwidth (the default); equal: all declare 100 Mbit/s "
+        "(the references); compare: run both, one after the other, and print them side by side",
     )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before the scenario is abandoned")
     parser.add_argument(
@@ -465,23 +657,30 @@ def main(argv=None) -> int:
         raise KeyboardInterrupt  # unwinds through run_scenario's cleanup
 
     signal.signal(signal.SIGTERM, interrupted)
-    with tempfile.TemporaryDirectory(prefix="netswarm-") as tmp:
-        try:
-            result = run_scenario(args, Path(tmp), tag)
-        except KeyboardInterrupt:
-            print("interrupted: namespaces and processes removed", file=sys.stderr)
-            return 130
-        except (TimeoutError, RuntimeError) as e:  # a hung or failed peer: its log tail is in the message
-            print(f"error: {e} (namespaces and processes removed)", file=sys.stderr)
-            return 1
-        finally:
-            if args.keep_logs:
-                shutil.copytree(
-                    tmp, args.keep_logs, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.safetensors", "*.pt")
-                )
-    print_table(result)
+    results = []
+    for balance in ("equal", "bandwidth") if args.balance == "compare" else (args.balance,):
+        with tempfile.TemporaryDirectory(prefix="netswarm-") as tmp:
+            try:
+                results.append(run_scenario(argparse.Namespace(**{**vars(args), "balance": balance}), Path(tmp), tag))
+            except KeyboardInterrupt:
+                print("interrupted: namespaces and processes removed", file=sys.stderr)
+                return 130
+            except (TimeoutError, RuntimeError) as e:  # a hung or failed peer: its log tail is in the message
+                print(f"error: {e} (namespaces and processes removed)", file=sys.stderr)
+                return 1
+            finally:
+                if args.keep_logs:
+                    shutil.copytree(
+                        tmp,
+                        Path(args.keep_logs) / balance if args.balance == "compare" else args.keep_logs,
+                        dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("*.safetensors", "*.pt"),
+                    )
+        print_table(results[-1])
+    if len(results) > 1:
+        print_comparison(results)
     if args.output_json:
-        Path(args.output_json).write_text(json.dumps(result, indent=2))
+        Path(args.output_json).write_text(json.dumps(results if len(results) > 1 else results[0], indent=2))
     return 0
 
 

@@ -156,45 +156,88 @@ class AveragingArguments:
 
     TITLE: ClassVar[str] = "averaging"
 
-    matchmaking_time: float = field(
-        default=5.0, metadata={"help": "Seconds spent gathering a group of peers for each all-reduce."}
+    # None: automatic (sahajbert.adaptive.plan_timing), from this peer's measured link and the model's size
+    matchmaking_time: Optional[float] = field(
+        default=None,
+        metadata={
+            "help": "Seconds spent gathering a group of peers for each all-reduce (default: automatic, 5-30 s by the "
+            "measured round trip)."
+        },
     )
-    averaging_timeout: float = field(
-        default=60.0, metadata={"help": "Seconds after which an unfinished all-reduce round is abandoned."}
+    averaging_timeout: Optional[float] = field(
+        default=None,
+        metadata={
+            "help": "Seconds after which an unfinished all-reduce round is abandoned (default: automatic, 3x the "
+            "round's estimated time from the model's size and the measured bandwidth, 30-1800 s)."
+        },
     )
     next_chunk_timeout: Optional[float] = field(
-        default=None, metadata={"help": "Seconds to wait for a peer's next chunk before excluding it."}
+        default=None,
+        metadata={
+            "help": "Seconds to wait for a peer's next chunk before averaging without it (default: automatic, "
+            "10 s up to half the averaging timeout)."
+        },
     )
     target_group_size: Optional[int] = field(
         default=None, metadata={"help": "Most peers in one all-reduce group (default: everyone)."}
     )
     bandwidth: Optional[float] = field(
         default=None,
-        metadata={"help": "This peer's network bandwidth in Mbit/s; faster peers reduce larger parts."},
+        metadata={
+            "help": "This peer's bandwidth in Mbit/s, declared to both averagers: faster peers reduce larger parts "
+            "(default: measured at start against an initial peer, the lower of upload and download)."
+        },
     )
     compression: str = field(
         default="fp16",
         metadata={"help": "Compression of averaged tensors.", "choices": ["none", "fp16", "8bit", "adaptive"]},
     )
-    load_state_timeout: float = field(
-        default=600.0,
+    load_state_timeout: Optional[float] = field(
+        default=None,
         metadata={
-            "help": "Seconds one download of the swarm's state may take before it is retried (hivemind's default; "
-            "a full-size state over a slow uplink needs minutes). hivemind 1.1 can lose a download whose first dial "
-            "hangs, and the peer then waits this long: set it lower for small models."
+            "help": "Seconds one download of the swarm's state may take before it is retried (default: automatic, "
+            "3x the download's estimated time at the measured bandwidth plus 30 s: a full-size state over a slow "
+            "link needs minutes). hivemind 1.1 can lose a download whose first dial hangs: it is retried after this."
         },
     )
-    final_averaging_window: float = field(
-        default=30.0,
+    final_averaging_window: Optional[float] = field(
+        default=None,
         metadata={
             "help": "Seconds the trainers that reach --max_steps wait for each other to average their parameters "
             "once more, so they all end with the same model (with delayed updates each applies the last update on "
-            "its own). Peers finishing within this window of the first one join it; 0 skips the round."
+            "its own). Peers finishing within this window of the first one join it; 0 skips the round (default: "
+            "automatic, 30 s, or one averaging round's time on this link plus 20 s)."
+        },
+    )
+    measure_link: bool = field(
+        default=True,
+        metadata={
+            "help": "Measure round trip, upload and download against an initial peer at start (a few seconds), for "
+            "the bandwidth and the automatic timing.",
+            "negative_help": "Do not measure the link: the automatic timing assumes 10 Mbit/s and 200 ms.",
+        },
+    )
+    link_check_every: float = field(
+        default=1800.0,
+        metadata={
+            "help": "Seconds between two measurements of the link after the first (in the background, between "
+            "averaging rounds); the new bandwidth is declared to both averagers."
         },
     )
 
     def __post_init__(self):
-        if self.final_averaging_window < 0:
+        for name in (
+            "matchmaking_time",
+            "averaging_timeout",
+            "next_chunk_timeout",
+            "bandwidth",
+            "link_check_every",
+            "load_state_timeout",
+        ):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"--{name} must be positive, got {value}")
+        if self.final_averaging_window is not None and self.final_averaging_window < 0:
             raise ValueError(f"--final_averaging_window must be >= 0 seconds, got {self.final_averaging_window}")
 
 
@@ -239,12 +282,12 @@ class CollaborativeOptimizerArguments:
         default=False,
         metadata={"help": "Step locally every batch and only average parameters (no gradient averaging)."},
     )
-    max_refresh_period: float = field(
-        default=10.0,
+    max_refresh_period: Optional[float] = field(
+        default=None,
         metadata={
-            "help": "Most seconds between two reads of the swarm's progress from the DHT. Until its next read a "
-            "peer that started before the others saw them counts only its own samples (and may step alone): keep it "
-            "well under the time of a global step."
+            "help": "Most seconds between two reads of the swarm's progress from the DHT (default: automatic, a "
+            "fifth of the last global step's time, 1-10 s; a peer also reads the progress afresh before every "
+            "global step it would start)."
         },
     )
     metadata_expiration: float = field(
@@ -260,7 +303,9 @@ class CollaborativeOptimizerArguments:
             raise ValueError(f"--target_batch_size must be positive, got {self.target_batch_size}")
         if not 0 <= self.batch_size_lead < self.target_batch_size:
             raise ValueError("--batch_size_lead must be at least 0 and below --target_batch_size")
-        if self.max_refresh_period < 0.5:  # hivemind's own floor between two reads
+        if (
+            self.max_refresh_period is not None and self.max_refresh_period < 0.5
+        ):  # hivemind's own floor between two reads
             raise ValueError(f"--max_refresh_period must be at least 0.5 seconds, got {self.max_refresh_period}")
 
 

@@ -8,7 +8,7 @@ import logging
 import time
 from pathlib import Path
 
-from sahajbert import checkpoints, metrics
+from sahajbert import adaptive, checkpoints, metrics
 from sahajbert import hivemind_compat as compat
 from sahajbert.arguments import AuxPeerArguments, PeerArguments
 from sahajbert.cli import UserError
@@ -88,8 +88,10 @@ class AuxPeer(SwarmPeer):
         self.dashboard = self.wandb_run = None
         try:
             # the trainers' own factory and arguments: the aux peer never re-types a hyperparameter
+            # and the same timing rule: an assisting aux peer reduces a share of every all-reduce by its bandwidth
+            timing, _, _ = adaptive.tune(peer_args, self.dht, sum(p.numel() for p in self.model.parameters()))
             self.optimizer = build_collaborative_optimizer(
-                self.model, self.dht, peer_args, auxiliary=aux_args.assist_in_averaging
+                self.model, self.dht, peer_args, auxiliary=aux_args.assist_in_averaging, timing=timing
             )
             if aux_args.initial_state is not None:
                 self._serve_initial_state(aux_args.initial_state)

@@ -8,12 +8,16 @@ round. Each function says what it relies on. After a hivemind upgrade, check the
 `tests/test_stopping.py` runs them against stand-ins shaped like these internals.
 """
 
+import re
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import hivemind
 import torch
 from hivemind.averaging.control import AveragingStage, StepControl
+from hivemind.optim.grad_averager import GradientAverager
+from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 CHECKED_VERSION = "1.1.12"
@@ -55,6 +59,103 @@ def position(optimizer: hivemind.Optimizer) -> SwarmPosition:
 def wait_for_swarm_progress(optimizer: hivemind.Optimizer, timeout: float) -> None:
     """Block until the tracker has read the swarm's progress once (`tracker.fetched_global_progress_this_epoch`)."""
     optimizer.tracker.fetched_global_progress_this_epoch.wait(timeout)
+
+
+def read_progress_now(optimizer: hivemind.Optimizer, timeout: float) -> bool:
+    """Make the tracker read the swarm's progress from the DHT now and wait for it; False if no read came in time.
+
+    The fetcher sleeps until `global_progress.next_fetch_time` or until `global_state_updated` is set; when woken it
+    re-reads the (now past) fetch time, fetches, and sets `fetched_global_progress_this_epoch`.
+    """
+    tracker = optimizer.tracker
+    tracker.fetched_global_progress_this_epoch.clear()
+    tracker.global_progress.next_fetch_time = get_dht_time()
+    tracker.global_state_updated.set()
+    return tracker.fetched_global_progress_this_epoch.wait(timeout)
+
+
+def step_would_be_global(optimizer: hivemind.Optimizer, batch_size: int) -> bool:
+    """Would `optimizer.step(batch_size)` start a global step, by the tracker's current view? (hivemind adds the
+    batch to `global_progress.samples_accumulated`, then checks `tracker.ready_to_update_epoch`.)"""
+    tracker = optimizer.tracker
+    progress = tracker.global_progress
+    return (
+        tracker.global_epoch > tracker.local_progress.epoch
+        or progress.samples_accumulated + batch_size >= tracker.target_batch_size
+        or get_dht_time() >= progress.eta_next_epoch
+    )
+
+
+def set_refresh_period(optimizer: hivemind.Optimizer, seconds: float) -> None:
+    """The most seconds between two reads of the swarm's progress (`tracker.max_refresh_period`, read per fetch)."""
+    optimizer.tracker.max_refresh_period = seconds
+
+
+def set_bandwidth(optimizer: hivemind.Optimizer, mbit: float) -> None:
+    """Declare this peer's bandwidth to both averagers; each round's matchmaking gathers `averager.bandwidth` in this
+    process (DecentralizedAverager.step), and hivemind's load_balance_peers splits the all-reduce by it."""
+    for averager in (optimizer.state_averager, optimizer.grad_averager):
+        if averager is not None:
+            averager.bandwidth = mbit
+
+
+def gradient_averager_factory(**averager_opts):
+    """hivemind 1.1.x gives `averager_opts` to the state averager only: the gradient averager, made by this factory
+    (the documented `grad_averager_factory`), gets the same bandwidth and group size."""
+    return partial(GradientAverager, **averager_opts) if averager_opts else None
+
+
+def set_state_priority(optimizer: hivemind.Optimizer, priority: float) -> None:
+    """Newcomers download the state from the peer with the highest priority (`state_averager.state_sharing_priority`,
+    declared in the DHT under `<averager.prefix>.all_averagers`); a client-mode peer serves no state."""
+    if not optimizer.client_mode:
+        optimizer.state_averager.state_sharing_priority = priority
+
+
+def own_state_priority(optimizer: hivemind.Optimizer) -> float:
+    """This peer's declared state priority; -1 for a client-mode peer, which declares none."""
+    return -1.0 if optimizer.client_mode else optimizer.state_averager.state_sharing_priority
+
+
+def state_priorities(optimizer: hivemind.Optimizer) -> dict[PeerID, float]:
+    """Every other peer that offers its state, with its declared priority (the key load_state_from_peers reads)."""
+    averager = optimizer.state_averager
+    key = f"{averager.prefix}.all_averagers"
+    found = optimizer.dht.get(key, latest=True)
+    entries = found.value if found is not None and isinstance(found.value, dict) else {}
+    own = optimizer.dht.peer_id
+    priorities = {}
+    for peer_id, info in entries.items():
+        if info.value is None:
+            continue
+        peer = PeerID(peer_id)
+        if peer != own:
+            priorities[peer] = float(info.value)
+    return priorities
+
+
+def starting_peers(optimizer: hivemind.Optimizer) -> set[PeerID]:
+    """Trainers of a new run that offer their state at a start priority (between 0 and 1: step 0, see
+    trainer.start_priority) but report no progress yet (`tracker.training_progress_key`, whose entries name their
+    `peer_id`; a peer reports once it has trained a batch)."""
+    announced = {peer for peer, priority in state_priorities(optimizer).items() if 0 < priority < 1}
+    if not announced:
+        return set()
+    found = optimizer.dht.get(optimizer.tracker.training_progress_key, latest=True)
+    entries = found.value if found is not None and isinstance(found.value, dict) else {}
+    reporting = {
+        PeerID(entry.value["peer_id"])
+        for entry in entries.values()
+        if isinstance(entry.value, dict) and "peer_id" in entry.value
+    }
+    return announced - reporting
+
+
+# how hivemind reports an averaging round's end (at the optimizer's status level, INFO with verbose=True)
+GRADIENT_ROUND_FAILED = re.compile(r"^Averaging gradients failed with (.*)$")
+GRADIENT_ROUND_DONE = re.compile(r"^Averaged gradients with (\d+) peers$")
+STATE_ROUND_FAILED = re.compile(r"^Averaging failed with (.*)$")
+ROUND_LOGGERS = ("hivemind.optim.optimizer", "hivemind.optim.state_averager")
 
 
 def own_samples_per_second(optimizer: hivemind.Optimizer) -> float:

@@ -18,6 +18,8 @@ from hivemind.compression import (
 )
 from transformers import get_linear_schedule_with_warmup
 
+from sahajbert import hivemind_compat as compat
+from sahajbert.adaptive import Timing, payload_bytes, plan_timing
 from sahajbert.arguments import PeerArguments
 
 
@@ -117,10 +119,12 @@ def build_collaborative_optimizer(
     peer_args: PeerArguments,
     auxiliary: bool = False,
     batch_size_per_step: int | None = None,
+    timing: Timing | None = None,
 ) -> hivemind.Optimizer:
     """hivemind.Optimizer over LAMB, scheduled by the GLOBAL step (hivemind steps the scheduler per epoch).
 
     `batch_size_per_step`: samples one optimizer.step() reports (default: batch x accumulation on one device).
+    `timing`: from sahajbert.adaptive.tune (default: planned without a measured link).
     """
     swarm_args, averaging_args = peer_args.swarm_args, peer_args.averaging_args
     optimizer_args, training_args = peer_args.optimizer_args, peer_args.training_args
@@ -140,9 +144,13 @@ def build_collaborative_optimizer(
     compression = make_compression(averaging_args.compression)
     # parameters are averaged for consistency, not learning: fp16 keeps them close without 8-bit's error
     state_compression = NoCompression() if averaging_args.compression == "none" else Float16Compression()
+    if timing is None:
+        explicit = {**vars(averaging_args), "max_refresh_period": optimizer_args.max_refresh_period}
+        parameters = sum(p.numel() for p in model.parameters())
+        timing = plan_timing(*payload_bytes(parameters, averaging_args.compression), None, explicit)
     averager_opts = {}
-    if averaging_args.bandwidth is not None:
-        averager_opts["bandwidth"] = averaging_args.bandwidth
+    if timing.bandwidth is not None:
+        averager_opts["bandwidth"] = timing.bandwidth
     if averaging_args.target_group_size is not None:
         averager_opts["target_group_size"] = averaging_args.target_group_size
     if not auxiliary and batch_size_per_step is None:
@@ -155,10 +163,10 @@ def build_collaborative_optimizer(
         optimizer=lamb,
         params=parameter_groups(model, training_args.weight_decay),
         scheduler=scheduler,
-        matchmaking_time=averaging_args.matchmaking_time,
-        averaging_timeout=averaging_args.averaging_timeout,
-        next_chunk_timeout=averaging_args.next_chunk_timeout,
-        load_state_timeout=averaging_args.load_state_timeout,
+        matchmaking_time=timing.matchmaking_time,
+        averaging_timeout=timing.averaging_timeout,
+        next_chunk_timeout=timing.next_chunk_timeout,
+        load_state_timeout=timing.load_state_timeout,
         offload_optimizer=optimizer_args.offload_optimizer,
         delay_optimizer_step=optimizer_args.delay_optimizer_step,
         delay_grad_averaging=optimizer_args.delay_grad_averaging and not optimizer_args.use_local_updates,
@@ -172,11 +180,16 @@ def build_collaborative_optimizer(
         state_averaging_compression=state_compression,
         load_state_compression=state_compression,
         averager_opts=averager_opts or None,
+        grad_averager_factory=None
+        if optimizer_args.use_local_updates
+        else compat.gradient_averager_factory(**averager_opts),
         tracker_opts={
             "metadata_expiration": optimizer_args.metadata_expiration,
-            "max_refresh_period": optimizer_args.max_refresh_period,
+            "max_refresh_period": timing.max_refresh_period,
         },
-        verbose=peer_args.swarm_args.verbose,  # hivemind's per-refresh progress lines, at INFO
+        # hivemind reports each round's result at INFO only when verbose: sahajbert.adaptive.RoundMonitor counts
+        # them and keeps them (and the progress lines) off the terminal without --verbose
+        verbose=True,
     )
 
 

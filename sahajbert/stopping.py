@@ -75,7 +75,7 @@ class FinalRound:
         if not self.needed(compat.position(optimizer).peers, last_step_peers):
             return 0
         logger.info(
-            f"averaging parameters with the peers that finish within {self.window:g} s, for a common final model"
+            f"averaging parameters with the peers that finish within {self.window:.0f} s, for a common final model"
         )
         control = compat.start_parameter_round(optimizer, FINAL_GROUP_BITS, self.wait, self.timeout)
         deadline = time.monotonic() + self.timeout + 5.0  # seconds: the round's own timeout ends it first

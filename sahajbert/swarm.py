@@ -11,6 +11,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from sahajbert import hivemind_compat as compat
 from sahajbert import metrics
+from sahajbert.adaptive import serve_link_probe
 from sahajbert.arguments import SwarmArguments
 from sahajbert.cli import UserError
 from sahajbert.signals import ignoring_signals
@@ -101,7 +102,7 @@ def build_dht(
     check_ports_free(swarm_args.host_maddrs)
     quiet_hivemind(swarm_args.verbose)
     try:
-        return hivemind.DHT(
+        dht = hivemind.DHT(
             initial_peers=peers,
             start=True,
             startup_timeout=swarm_args.join_timeout,
@@ -119,6 +120,8 @@ def build_dht(
         if "bootstrap" in message:  # the p2p daemon: "failed to connect to bootstrap peers", "bootstrap failed"
             raise UserError(f"none of the initial peers answered: {' '.join(peers)}. {UNREACHABLE_FIX}") from e
         raise UserError(f"could not join the swarm: {message}") from e
+    serve_link_probe(dht)  # newcomers measure their link against this peer (a client-mode peer serves nothing)
+    return dht
 
 
 def initial_peers_line(dht: hivemind.DHT) -> str:

@@ -22,6 +22,9 @@ class StepRecord:
     samples_per_second: float  # this peer's throughput as hivemind measured it
     time: float  # unix time the step was recorded
     compute_seconds: float  # of this peer's time toward the step, forward and backward only
+    failed_rounds: int = 0  # averaging rounds hivemind reported failed, since this peer started
+    round_seconds: float | None = None  # the last gradient all-reduce: from the step that triggered it to its end
+    bandwidth_mbit: float | None = None  # what this peer declared to the averagers (None: equal shares)
 
 
 class TrainLog:

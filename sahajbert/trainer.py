@@ -8,14 +8,14 @@ import copy
 import hashlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import hivemind
 import torch
 from accelerate import PartialState
 
-from sahajbert import checkpoints, metrics
+from sahajbert import adaptive, checkpoints, metrics
 from sahajbert import hivemind_compat as compat
 from sahajbert.arguments import PeerArguments
 from sahajbert.cli import UserError
@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 # seconds a stopping peer waits for a background round to land before its last checkpoint (a stop is due within
 # signals.FORCE_AFTER seconds)
 STOP_PENDING_WAIT = 5.0
+# seconds a peer waits for its fresh read of the swarm's progress before a global step it would start
+FRESH_READ_TIMEOUT = 10.0
 
 
 @dataclass
@@ -65,6 +67,13 @@ def peer_seed(run_seed: int, public_key: bytes) -> int:
     return (run_seed * 1_000_003 + int.from_bytes(hashlib.sha256(public_key).digest()[:4], "little")) % 2**31
 
 
+def start_priority(unix_time: float) -> float:
+    """A state priority in (0, 0.5] at step 0 that is higher the earlier a peer started (hivemind sets the
+    priority to the global step at every step after it, so it only orders peers of a new run). 2^24 s cycle:
+    resolution below a millisecond next to step numbers up to 10^6 in a float64."""
+    return 0.5 * (1 - (unix_time % 2**24) / 2**24)
+
+
 class TrainerPeer(SwarmPeer):
     """One trainer in the swarm; use as a context manager, so that it always leaves the swarm."""
 
@@ -89,9 +98,15 @@ class TrainerPeer(SwarmPeer):
         self._join(swarm_args)
         self.batches: Prefetcher | None = None
         try:
+            parameters = sum(p.numel() for p in self.model.parameters())
+            self.timing, self.link, self.link_watch = adaptive.tune(peer_args, self.dht, parameters)
+            self.rounds = adaptive.RoundMonitor(swarm_args.verbose).attach()
             self.optimizer = build_collaborative_optimizer(
-                self.model, self.dht, peer_args, batch_size_per_step=self.samples_per_pass
+                self.model, self.dht, peer_args, batch_size_per_step=self.samples_per_pass, timing=self.timing
             )
+            # at step 0, the peer that started first is every newcomer's donor: all start from its parameters
+            self.start_priority = start_priority(time.time())
+            compat.set_state_priority(self.optimizer, self.start_priority)
             if resume_from is not None:
                 self._restore_optimizer(resume_from)
             self.state_missing = self._catch_up_with_swarm()
@@ -104,12 +119,15 @@ class TrainerPeer(SwarmPeer):
         self.good_state = LastGoodState(self.optimizer, pending_update_timeout=self._pending_update_timeout)
         self.train_log = TrainLog(self.output_dir)
         # trainers that stop at --max_steps average their parameters once more (sahajbert.stopping.FinalRound)
-        averaging_args = peer_args.averaging_args
+        timing = self.timing
         self.final_round = (
-            FinalRound(averaging_args.final_averaging_window, swarm_args.client_mode, averaging_args.averaging_timeout)
-            if training_args.max_steps is not None and averaging_args.final_averaging_window > 0
+            FinalRound(timing.final_averaging_window, swarm_args.client_mode, timing.averaging_timeout)
+            if training_args.max_steps is not None and timing.final_averaging_window > 0
             else None
         )
+        # the progress refresh follows the global step's time, unless --max_refresh_period was given
+        self.refresh_ceiling = peer_args.optimizer_args.max_refresh_period
+        self._last_step_time = None
         self.counters = StepCounters()
         self.last_step = self.optimizer.local_epoch  # the global step of the last record
         self.contributed = 0  # samples this peer contributed to global steps, since it started
@@ -156,6 +174,8 @@ class TrainerPeer(SwarmPeer):
         if self.batches is not None:
             self.batches.close()
         super().close()
+        if getattr(self, "rounds", None) is not None:
+            self.rounds.detach()
 
     # ---- the training loop ----
 
@@ -177,6 +197,7 @@ class TrainerPeer(SwarmPeer):
                 if host_changed:
                     self.compute.push_parameters()
                 self._log_progress()
+                self._watch_link()
         except StopNow:
             pass  # stopped while waiting for the stream's next batch
         return self._finish(stopped=bool(stop))
@@ -221,8 +242,17 @@ class TrainerPeer(SwarmPeer):
             # the final round replaces this step's parameter averaging: a background round still pending would
             # hold this peer back from it, or pair with another peer's final round and be triggered late
             compat.skip_parameter_averaging(self.optimizer)
+        if compat.step_would_be_global(self.optimizer, self.samples_per_pass):
+            if self.optimizer.local_epoch == 0:
+                self._wait_for_starting_trainers()
+            # hivemind's view of the swarm may be seconds old (peers that joined since, samples they reported):
+            # a global step is only started on a fresh read, so that no peer steps alone on a stale count
+            compat.read_progress_now(self.optimizer, FRESH_READ_TIMEOUT)
         scaler = self.compute.scaler
+        started = time.time()
         self.optimizer.step(batch_size=self.samples_per_pass, grad_scaler=scaler)
+        if self.optimizer.local_epoch != step_before:
+            self.rounds.gradient_round_started(started)
         self.optimizer.zero_grad(set_to_none=True)
         if scaler is not None:
             scaler.update()
@@ -242,8 +272,31 @@ class TrainerPeer(SwarmPeer):
         self.train_log.append(record)
         if record.step % self.args.training_args.save_steps == 0:
             self._save(record.loss)
+        self._follow_step_time()
         self.counters = StepCounters()
         self.last_step = self.optimizer.local_epoch
+
+    def _watch_link(self) -> None:
+        """Now and then, measure the link again and declare the new bandwidth (started only while no background
+        round is pending, so that the probe does not compete with one)."""
+        watch = self.link_watch
+        if watch is None:
+            return
+        link = watch.finished()
+        if link is not None:
+            compat.set_bandwidth(self.optimizer, round(link.bandwidth_mbit, 1))
+            self.timing = replace(self.timing, bandwidth=round(link.bandwidth_mbit, 1))
+            logger.info(f"link measured again: {link.upload_mbit:.1f} Mbit/s up, {link.download_mbit:.1f} down")
+        elif watch.due() and not compat.has_pending_updates(self.optimizer):
+            watch.start()
+
+    def _follow_step_time(self) -> None:
+        """Read the swarm's progress at least 5 times per global step, by the time the last one took."""
+        now = time.monotonic()
+        if self.refresh_ceiling is None and self._last_step_time is not None:
+            seconds = now - self._last_step_time
+            compat.set_refresh_period(self.optimizer, adaptive.refresh_period_for(seconds, adaptive.REFRESH_BOUNDS[1]))
+        self._last_step_time = now
 
     def _record_step(self) -> StepRecord:
         """This peer's record of the global step just made; published to the swarm and logged in one line."""
@@ -268,6 +321,9 @@ class TrainerPeer(SwarmPeer):
             samples_per_second=samples_per_second,
             time=time.time(),
             compute_seconds=counters.compute_seconds,
+            failed_rounds=self.rounds.failed_rounds,
+            round_seconds=self.rounds.round_seconds[-1] if self.rounds.round_seconds else None,
+            bandwidth_mbit=self.timing.bandwidth,
         )
         logger.info(
             f"global step {step} | loss {record.loss:.4f} | {samples_per_second:.1f} samples/s | "
@@ -322,6 +378,9 @@ class TrainerPeer(SwarmPeer):
             compat.position(self.optimizer).swarm_step,
             metrics.fetch_announced_step(self.dht, self.args.swarm_args.run_id),
         )
+        if self.optimizer.local_epoch == swarm_step == 0:
+            self._start_from_first_peer()
+            return False
         if self.optimizer.local_epoch >= swarm_step:
             return False
         logger.info(f"the swarm is at step {swarm_step}: downloading its state from peers")
@@ -333,6 +392,40 @@ class TrainerPeer(SwarmPeer):
             f"{self.optimizer.local_epoch} with this peer's own optimizer state and retrying after every global step"
         )
         return True
+
+    def _wait_for_starting_trainers(self) -> None:
+        """Before a new run's first global step: trainers that started with this one but still download its
+        parameters would otherwise find the run ended or far ahead; wait for them, within the join wait."""
+        deadline = time.monotonic() + self.timing.join_wait
+        logged = False
+        while not self.stop and time.monotonic() < deadline:
+            starting = compat.starting_peers(self.optimizer)
+            if not starting:
+                return
+            if not logged:
+                logger.info(
+                    f"waiting up to {self.timing.join_wait:.0f} s for {len(starting)} trainer(s) still starting, "
+                    "before the run's first global step"
+                )
+                logged = True
+            time.sleep(1.0)
+
+    def _start_from_first_peer(self) -> None:
+        """A new run: every trainer starts from the parameters of the one that started first (the highest state
+        priority at step 0), so that trainers with different --seed values train one model, not two."""
+        # the others' declarations reach the DHT within a few round trips of their start
+        round_trip = self.link.round_trip_s if self.link is not None else adaptive.FALLBACK_LINK.round_trip_s
+        time.sleep(max(2.0, 10 * round_trip))
+        own = compat.own_state_priority(self.optimizer)
+        earlier = [p for p in compat.state_priorities(self.optimizer).values() if own < p < 1.0]
+        if not earlier:
+            return
+        logger.info("the run is at step 0 and another trainer started first: starting from its parameters")
+        if self._download_state():
+            logger.info("downloaded the first trainer's parameters")
+        # hivemind set this peer's priority to its step (0): declare the start priority again, which tells the
+        # others that this trainer is starting until it reports progress
+        compat.set_state_priority(self.optimizer, self.start_priority)
 
     @torch.no_grad()
     def _download_state(self) -> bool:
@@ -348,7 +441,7 @@ class TrainerPeer(SwarmPeer):
 
     @property
     def _pending_update_timeout(self) -> float:
-        return pending_update_timeout(self.args.averaging_args.averaging_timeout)
+        return pending_update_timeout(self.timing.averaging_timeout)
 
     def _apply_pending_updates(self, timeout: float | None = None) -> None:
         """Wait for every background step and averaging round; a checkpoint must not miss one that lands late."""

@@ -24,7 +24,7 @@ USER_SCRIPTS = [
 ]
 LOCAL = LOOPBACK
 # every test's trainers: the library's tiny settings, a checkpoint at every global step, frequent progress lines
-TINY_TRAINING = tiny_trainer_flags(averaging_timeout=20, save_steps=1, log_every_seconds=2)
+TINY_TRAINING = tiny_trainer_flags(save_steps=1, log_every_seconds=2)
 
 
 def script(name: str) -> Path:

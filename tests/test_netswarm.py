@@ -53,3 +53,55 @@ def test_quick_scenario_keeps_stepping_through_churn_and_ends_in_agreement(tmp_p
     ]
     assert not leftovers, "the delay switch stopped with the run"
     assert "frames forwarded" in (tmp_path / "logs" / "delayswitch.log").read_text() or result["latency_by"] == "netem"
+
+
+def run_netswarm(tmp_path, *flags, timeout=900) -> dict:
+    result_path = tmp_path / "result.json"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "netswarm.py"), *flags]
+        + ["--output_json", str(result_path), "--keep_logs", str(tmp_path / "logs")],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=peer_env(),
+        cwd=ROOT,
+    )
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    return json.loads(result_path.read_text())
+
+
+def test_each_trainer_measures_its_link_and_the_fast_one_reduces_the_most(tmp_path):
+    # 200/200, 100/20 and 20/5 Mbit/s; with the tiny model a global step's all-reduce is ~0.5 MB per peer
+    result = run_netswarm(tmp_path, "--heterogeneous", "--trainers", "3", "--max_steps", "5", "--timeout", "600")
+    ceiling = result["switch_ceiling_mbit"] or float("inf")
+    bandwidth = result["bandwidth"]
+    # the userspace switch forwards 600-1100 Mbit/s when idle, but the three trainers probe at once while they start
+    # on the same 2 cores: the 200 Mbit/s link measured 159-164 (20% low). Within 25% is asserted far below the
+    # ceiling; the fast link must still be measured as the fastest
+    for name, link in bandwidth.items():
+        if link["shaped_mbit"] <= ceiling / 8:
+            assert link["declared_mbit"] == pytest.approx(link["shaped_mbit"], rel=0.25), (name, link)
+    fast = max(bandwidth, key=lambda name: bandwidth[name]["shaped_mbit"])
+    others = [link["declared_mbit"] for name, link in bandwidth.items() if name != fast]
+    assert bandwidth[fast]["declared_mbit"] > 2 * max(others), f"the fast link is measured as the fastest: {bandwidth}"
+    sent = {name: link["sent_bytes"] for name, link in bandwidth.items()}
+    assert max(sent, key=sent.get) == fast, (
+        f"the 200/200 peer must send the most (it reduces the largest share): {sent}"
+    )
+    assert result["parameters_agree"], result["max_parameter_difference"]
+
+
+def test_sahajbert_on_broadband_with_the_default_timing(tmp_path):
+    # the real model (its layers; the vocabulary of the bundled sample tokenizer) on 100/20 Mbit/s, 100 ms apart:
+    # with hand-tuned tiny-model timeouts every gradient round of this scenario failed
+    result = run_netswarm(
+        tmp_path,
+        *("--model", "sahajbert", "--trainers", "2", "--max_steps", "3", "--target_batch_size", "64"),
+        *("--timeout", "1200"),
+        timeout=1500,
+    )
+    assert result["failed_rounds"] == 0, result
+    assert result["global_steps"] == 3
+    assert min(result["final_round_peers"]) == 2, result["final_round_peers"]
+    assert result["parameters_agree"], result["max_parameter_difference"]
+    assert result["seconds_per_round"] is not None, "gradient rounds were timed"

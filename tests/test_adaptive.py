@@ -1,0 +1,129 @@
+"""The adaptive averaging parts: the link probe over real p2p, the timing plan, hivemind's rounds counted."""
+
+import logging
+import runpy
+from dataclasses import replace
+
+import hivemind
+import pytest
+
+from sahajbert import cli
+from sahajbert.adaptive import (
+    AVERAGING_TIMEOUT_BOUNDS,
+    FALLBACK_LINK,
+    LinkEstimate,
+    LinkWatch,
+    RoundMonitor,
+    measure_link,
+    payload_bytes,
+    plan_timing,
+    refresh_period_for,
+    serve_link_probe,
+)
+from sahajbert.localswarm import wait_for
+from sahajbert.model import count_parameters, read_config
+from sahajbert.trainer import start_priority
+
+from .swarm_helpers import script
+
+TRAINER_FLAGS = runpy.run_path(str(script("run_trainer.py")))["FLAGS"]
+BROADBAND = LinkEstimate(upload_mbit=20.0, download_mbit=100.0, round_trip_s=0.1)
+NOTHING_EXPLICIT = {}
+
+
+def test_timing_grows_with_the_model_and_shrinks_with_the_link():
+    sahajbert = payload_bytes(count_parameters(read_config("sahajbert")), "fp16")
+    tiny = payload_bytes(count_parameters(read_config("tiny")), "fp16")
+    big_slow = plan_timing(*sahajbert, BROADBAND, NOTHING_EXPLICIT)
+    small_fast = plan_timing(*tiny, LinkEstimate(1000.0, 1000.0, 0.001), NOTHING_EXPLICIT)
+    # sahajBERT on a 20 Mbit/s uplink: one gradient and one parameter round of 2 x 36 MB each take ~58 s
+    assert 150 <= big_slow.averaging_timeout <= 250, big_slow
+    assert big_slow.next_chunk_timeout <= big_slow.averaging_timeout / 2
+    assert big_slow.final_averaging_window > 60
+    assert big_slow.bandwidth == 20.0, "the lower of upload and download is declared"
+    # its state (parameters and two LAMB moments in fp16, 85 MB) downloads in ~34 s at 20 Mbit/s
+    assert 100 <= big_slow.load_state_timeout <= 200 and 60 <= big_slow.join_wait <= 120, big_slow
+    # the tiny model on loopback: every value at its floor, which a busy 2-core machine still meets
+    assert small_fast.averaging_timeout == AVERAGING_TIMEOUT_BOUNDS[0]
+    assert small_fast.matchmaking_time == 5.0 and small_fast.final_averaging_window == 30.0
+    assert small_fast.load_state_timeout == pytest.approx(30.0, abs=0.1)
+    # a longer round trip: longer matchmaking
+    assert plan_timing(*tiny, LinkEstimate(1000.0, 1000.0, 0.5), NOTHING_EXPLICIT).matchmaking_time == 10.0
+
+
+def test_without_a_measurement_the_split_stays_equal_and_the_timing_assumes_a_modest_link():
+    timing = plan_timing(1e8, 1e8, None, NOTHING_EXPLICIT)
+    assert timing.bandwidth is None
+    assert timing == replace(plan_timing(1e8, 1e8, FALLBACK_LINK, NOTHING_EXPLICIT), bandwidth=None)
+
+
+def test_explicit_flags_and_recipe_values_win_over_the_automatic_timing():
+    peer_args = cli.parse_args(TRAINER_FLAGS, ["--averaging_timeout", "77", "--bandwidth", "3"])[0]
+    averaging = peer_args.averaging_args
+    assert averaging.matchmaking_time is None, "not given: automatic"
+    explicit = {**vars(averaging), "max_refresh_period": peer_args.optimizer_args.max_refresh_period}
+    timing = plan_timing(1e8, 1e8, BROADBAND, explicit)
+    assert timing.averaging_timeout == 77 and timing.bandwidth == 3
+    assert timing.next_chunk_timeout == 77 / 2, "automatic values still respect the explicit round timeout"
+    recipe = cli.parse_args(TRAINER_FLAGS, ["--recipe", "sahajbert-xl"])[0]
+    explicit = {**vars(recipe.averaging_args), "max_refresh_period": recipe.optimizer_args.max_refresh_period}
+    timing = plan_timing(1e8, 1e8, BROADBAND, explicit)
+    assert (timing.matchmaking_time, timing.averaging_timeout, timing.bandwidth) == (30.0, 120.0, 100.0)
+    assert timing.max_refresh_period == 30.0
+
+
+def test_the_refresh_period_follows_the_step_time():
+    assert refresh_period_for(20.0, 10.0) == 4.0
+    assert refresh_period_for(2.0, 10.0) == 1.0
+    assert refresh_period_for(600.0, 10.0) == 10.0
+    assert refresh_period_for(float("nan"), 10.0) == 10.0
+
+
+def test_a_peer_that_started_earlier_has_the_higher_start_priority():
+    assert 0 < start_priority(1_800_000_001.0) < start_priority(1_800_000_000.0) <= 0.5
+    assert start_priority(1_800_000_000.0) - start_priority(1_800_000_000.001) > 0, "millisecond resolution"
+
+
+def test_hivemind_round_failures_are_counted_with_their_cause(caplog):
+    monitor = RoundMonitor(verbose=False).attach()
+    try:
+        with caplog.at_level(logging.INFO, logger="sahajbert.adaptive"):
+            optimizer_logger = logging.getLogger("hivemind.optim.optimizer")
+            monitor.gradient_round_started(0.0)
+            optimizer_logger.info("Averaged gradients with 3 peers")
+            optimizer_logger.info("Averaging gradients failed with TimeoutError()")
+            logging.getLogger("hivemind.optim.state_averager").info("Averaging failed with <class 'TimeoutError'>")
+    finally:
+        monitor.detach()
+    assert monitor.gradient_rounds == 1 and len(monitor.round_seconds) == 1
+    assert monitor.failed_rounds == 2
+    lines = [r.getMessage() for r in caplog.records if r.name == "sahajbert.adaptive"]
+    assert any("gradient averaging round failed (TimeoutError())" in line for line in lines), lines
+    assert any("parameter averaging round failed" in line and "2 failed so far" in line for line in lines), lines
+
+
+@pytest.mark.slow
+def test_the_link_probe_measures_loopback_over_real_p2p():
+    server = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    serve_link_probe(server)
+    client = hivemind.DHT(
+        start=True, initial_peers=[str(m) for m in server.get_visible_maddrs()], host_maddrs=["/ip4/127.0.0.1/tcp/0"]
+    )
+    try:
+        link, answered = measure_link(client, [str(m) for m in server.get_visible_maddrs()], seconds=1.0)
+        assert link is not None and answered == server.peer_id
+        # loopback moves far more than any home link, and answers within milliseconds
+        assert link.upload_mbit > 50 and link.download_mbit > 50, link
+        assert 0 < link.round_trip_s < 0.1, link
+        # measured again in the background when due
+        watch = LinkWatch(client, answered, every=0.0)
+        assert watch.due()
+        watch.start()
+        assert not watch.due(), "one measurement at a time"
+        again = wait_for(watch.finished, 60, "the second measurement")
+        assert again.upload_mbit > 50, again
+        # a peer without the probe (the client serves none: it was never asked to) is skipped: None
+        assert measure_link(server, [str(m) for m in client.get_visible_maddrs()], seconds=0.5) == (None, None)
+    finally:
+        client.shutdown()
+        server.shutdown()

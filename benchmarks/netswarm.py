@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from sahajbert.adaptive import payload_bytes
+from sahajbert.adaptive import payload_bytes, state_download_bytes
 from sahajbert.arguments import LocalTrainingArguments
 from sahajbert.checkpoints import list_checkpoints
 from sahajbert.localswarm import (
@@ -448,7 +448,7 @@ def summarize(args, workdir: Path, trainers: dict, kills: list[float], sent_byte
     }
     # a newcomer (started after the first global step): seconds from its start to its first contributed step
     newcomers = []
-    state_bytes = 3 * parameters * (4 if args.compression == "none" else 2)  # parameters + LAMB's two moments
+    state_bytes = state_download_bytes(parameters, args.compression)
     for name, log in logs.items():
         contributed = [r for r in log if r.samples > 0]
         if name in network["started_at"] and steps and network["started_at"][name] > times[steps[0]] and contributed:

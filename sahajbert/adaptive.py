@@ -13,7 +13,7 @@ import math
 import statistics
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import partial
 
 import hivemind
@@ -264,7 +264,8 @@ def plan_timing(
     def chosen(name: str, automatic: float | None) -> float | None:
         return explicit[name] if explicit.get(name) is not None else automatic
 
-    download = 3 * state_bytes * 8 / (link.bandwidth_mbit * 1e6)  # seconds for the state at this link's rate
+    # seconds for a newcomer's download (parameters and LAMB's two moments) at this link's rate
+    download = 3 * state_bytes * 8 / (link.bandwidth_mbit * 1e6)
     averaging_timeout = chosen(
         "averaging_timeout", clamp(ROUND_SAFETY * both + 10 * link.round_trip_s + 15, AVERAGING_TIMEOUT_BOUNDS)
     )
@@ -344,8 +345,21 @@ class RoundMonitor(logging.Filter):
 
     def _failed(self, kind: str, cause: str, consequence: str) -> None:
         self.failed_rounds += 1
-        self._round_started = None if kind == "gradient" else self._round_started
+        if kind == "gradient":
+            self._round_started = None
         logger.info(f"a {kind} averaging round failed ({cause}): {consequence} ({self.failed_rounds} failed so far)")
+
+
+def explicit_timing(peer_args: PeerArguments) -> dict[str, float | None]:
+    """The timing values given by a flag, a settings file or --recipe (None: automatic), by Timing field name."""
+    names = [f.name for f in fields(Timing) if f.name != "join_wait"]
+    values = {**vars(peer_args.averaging_args), "max_refresh_period": peer_args.optimizer_args.max_refresh_period}
+    return {name: values[name] for name in names}
+
+
+def state_download_bytes(parameters: int, compression: str) -> float:
+    """What a newcomer downloads: the parameters and LAMB's two moments, at the state's compression."""
+    return 3 * payload_bytes(parameters, compression)[1]
 
 
 def tune(
@@ -353,19 +367,8 @@ def tune(
 ) -> tuple[Timing, LinkEstimate | None, LinkWatch | None]:
     """The one place a peer's averaging timing is decided: measure the link (unless --bandwidth and every timing
     flag are given, or --no_measure_link), then plan around the explicit values. Logged in one line."""
-    averaging_args, optimizer_args = peer_args.averaging_args, peer_args.optimizer_args
-    explicit = {
-        name: getattr(averaging_args, name)
-        for name in (
-            "matchmaking_time",
-            "averaging_timeout",
-            "next_chunk_timeout",
-            "final_averaging_window",
-            "bandwidth",
-            "load_state_timeout",
-        )
-    }
-    explicit["max_refresh_period"] = optimizer_args.max_refresh_period
+    averaging_args = peer_args.averaging_args
+    explicit = explicit_timing(peer_args)
     link = peer = None
     needed = any(value is None for value in explicit.values())
     if averaging_args.measure_link and needed and peer_args.swarm_args.initial_peers:

@@ -19,7 +19,7 @@ from hivemind.compression import (
 from transformers import get_linear_schedule_with_warmup
 
 from sahajbert import hivemind_compat as compat
-from sahajbert.adaptive import Timing, payload_bytes, plan_timing
+from sahajbert.adaptive import Timing, explicit_timing, payload_bytes, plan_timing
 from sahajbert.arguments import PeerArguments
 
 
@@ -145,9 +145,8 @@ def build_collaborative_optimizer(
     # parameters are averaged for consistency, not learning: fp16 keeps them close without 8-bit's error
     state_compression = NoCompression() if averaging_args.compression == "none" else Float16Compression()
     if timing is None:
-        explicit = {**vars(averaging_args), "max_refresh_period": optimizer_args.max_refresh_period}
         parameters = sum(p.numel() for p in model.parameters())
-        timing = plan_timing(*payload_bytes(parameters, averaging_args.compression), None, explicit)
+        timing = plan_timing(*payload_bytes(parameters, averaging_args.compression), None, explicit_timing(peer_args))
     averager_opts = {}
     if timing.bandwidth is not None:
         averager_opts["bandwidth"] = timing.bandwidth

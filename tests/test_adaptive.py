@@ -14,6 +14,7 @@ from sahajbert.adaptive import (
     LinkEstimate,
     LinkWatch,
     RoundMonitor,
+    explicit_timing,
     measure_link,
     payload_bytes,
     plan_timing,
@@ -61,13 +62,11 @@ def test_explicit_flags_and_recipe_values_win_over_the_automatic_timing():
     peer_args = cli.parse_args(TRAINER_FLAGS, ["--averaging_timeout", "77", "--bandwidth", "3"])[0]
     averaging = peer_args.averaging_args
     assert averaging.matchmaking_time is None, "not given: automatic"
-    explicit = {**vars(averaging), "max_refresh_period": peer_args.optimizer_args.max_refresh_period}
-    timing = plan_timing(1e8, 1e8, BROADBAND, explicit)
+    timing = plan_timing(1e8, 1e8, BROADBAND, explicit_timing(peer_args))
     assert timing.averaging_timeout == 77 and timing.bandwidth == 3
     assert timing.next_chunk_timeout == 77 / 2, "automatic values still respect the explicit round timeout"
     recipe = cli.parse_args(TRAINER_FLAGS, ["--recipe", "sahajbert-xl"])[0]
-    explicit = {**vars(recipe.averaging_args), "max_refresh_period": recipe.optimizer_args.max_refresh_period}
-    timing = plan_timing(1e8, 1e8, BROADBAND, explicit)
+    timing = plan_timing(1e8, 1e8, BROADBAND, explicit_timing(recipe))
     assert (timing.matchmaking_time, timing.averaging_timeout, timing.bandwidth) == (30.0, 120.0, 100.0)
     assert timing.max_refresh_period == 30.0
 

@@ -22,6 +22,8 @@ def main(argv=None) -> int:
             "the first peer cannot run with --client_mode: every volunteer connects to it, so it must accept "
             "connections (run it on a machine with a reachable port; volunteers behind NAT use --client_mode)"
         )
+    if swarm_args.reachability == "private":
+        raise UserError("the first peer cannot run with --reachability private: every volunteer connects to it")
     from sahajbert.metrics import make_validators
     from sahajbert.signals import StopRequest, ignoring_signals
     from sahajbert.swarm import build_dht, initial_peers_line

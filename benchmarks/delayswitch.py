@@ -95,6 +95,9 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--port", type=parse_port, action="append", required=True, help="NAME:ONE_WAY_MS, once per port"
     )
+    parser.add_argument(
+        "--network", default="", help="the network this switch serves (its hub namespace), to tell switches apart"
+    )
     args = parser.parse_args(argv)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))

@@ -43,6 +43,9 @@ from sahajbert.train_log import read_train_log
 REPO = Path(__file__).resolve().parents[1]  # the scripts each namespace runs
 
 SUBNET = "10.77.{}.{}"  # private addresses that exist only inside this benchmark's namespaces
+# --nat: the "internet" between the routers gets public-looking addresses (they too exist only inside these
+# namespaces): libp2p builds relay addresses and asks AutoNAT to dial back only for public addresses
+PUBLIC_SUBNET = "31.77.{}.{}"
 
 
 @dataclass(frozen=True)
@@ -129,8 +132,8 @@ class Network:
     `latency`: "netem" (the kernel delays frames; the hub is a bridge) or "switch" (the hub runs delayswitch.py).
     """
 
-    def __init__(self, tag: str, profile: LinkProfile, latency: str, log_dir: Path):
-        self.tag, self.profile, self.latency, self.log_dir = tag, profile, latency, log_dir
+    def __init__(self, tag: str, profile: LinkProfile, latency: str, log_dir: Path, subnet: str = SUBNET):
+        self.tag, self.profile, self.latency, self.log_dir, self.subnet = tag, profile, latency, log_dir, subnet
         self.hub = f"sb{tag}hub"
         self.hosts: list[str] = []
         self.ports: dict[str, float] = {}  # hub-side port -> its one-way latency in ms
@@ -144,7 +147,7 @@ class Network:
     def add_host(self, index: int, shaped: bool = True, profile: LinkProfile | None = None) -> tuple[str, str]:
         """Create host `index` (on `profile`, default the network's); return (namespace, its IP address)."""
         profile = profile or self.profile
-        ns, ip = f"sb{self.tag}h{index}", SUBNET.format(index // 250, index % 250 + 1)
+        ns, ip = f"sb{self.tag}h{index}", self.subnet.format(index // 250, index % 250 + 1)
         sh("ip", "netns", "add", ns)
         self.hosts.append(ns)
         sh("ip", "link", "add", f"sb{self.tag}x{index}", "type", "veth", "peer", "name", f"sb{self.tag}y{index}")
@@ -167,11 +170,40 @@ class Network:
             self.links[ns] = profile
         return ns, ip
 
+    def add_nat_host(self, index: int, profile: LinkProfile | None = None) -> tuple[str, str, str, str]:
+        """A volunteer at home: host `index` becomes its router (the shaped link, the public address), and the
+        peer runs in a namespace behind it, on a private address that the router masquerades. Only replies to
+        connections from inside come in, as with a home router.
+
+        Return (peer namespace, private IP, router namespace, public IP)."""
+        router, public_ip = self.add_host(index, profile=profile)
+        ns, ip, gateway = f"sb{self.tag}n{index}", f"192.168.{index % 250}.2", f"192.168.{index % 250}.1"
+        sh("ip", "netns", "add", ns)
+        self.hosts.append(ns)
+        sh("ip", "link", "add", f"sb{self.tag}l{index}", "type", "veth", "peer", "name", f"sb{self.tag}m{index}")
+        sh("ip", "link", "set", f"sb{self.tag}l{index}", "netns", ns, "name", "eth0")
+        sh("ip", "link", "set", f"sb{self.tag}m{index}", "netns", router, "name", "lan0")
+        sh("ip", "-n", router, "addr", "add", f"{gateway}/24", "dev", "lan0")
+        sh("ip", "-n", router, "link", "set", "lan0", "up")
+        sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
+        sh("ip", "-n", ns, "link", "set", "eth0", "up")
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+        sh("ip", "-n", ns, "route", "add", "default", "via", gateway)
+        inside = ["ip", "netns", "exec", router]
+        sh(*inside, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        sh(*inside, "iptables", "-t", "nat", "-A", "POSTROUTING", "-o", "eth0", "-j", "MASQUERADE")
+        sh(*inside, "iptables", "-A", "FORWARD", "-i", "lan0", "-j", "ACCEPT")
+        sh(*inside, "iptables", "-A", "FORWARD", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT")
+        sh(*inside, "iptables", "-P", "FORWARD", "DROP")
+        self.links[ns] = self.links[router]
+        return ns, ip, router, public_ip
+
     def start(self) -> None:
         """With the userspace switch: start it on every port (all hosts exist by now)."""
         if self.latency != "switch":
             return
         ports = [item for port, ms in self.ports.items() for item in ("--port", f"{port}:{ms}")]
+        ports += ["--network", self.hub]
         self.switch = PeerProcess(
             REPO / "benchmarks" / "delayswitch.py",
             ports,
@@ -290,7 +322,7 @@ def model_parameters(preset: str) -> int:
 def run_scenario(args, workdir: Path, tag: str) -> dict:
     profile = PROFILES[args.profile]
     latency = args.latency_by
-    net = Network(tag, profile, latency, workdir)
+    net = Network(tag, profile, latency, workdir, subnet=PUBLIC_SUBNET if args.nat else SUBNET)
     run_id = f"net{tag}"
     processes: list[PeerProcess] = []
     trainers: dict[str, PeerProcess] = {}  # output dir name -> process
@@ -300,12 +332,22 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
         aux_host = net.add_host(1) if args.aux else None
         # a replacement after churn is another volunteer: its own namespace and address, made before the switch starts
         joiners = args.churn_events if args.churn_every or args.churn_every_steps else 0
-        hosts = {2 + i: net.add_host(2 + i, profile=trainer_profile(args, i)) for i in range(args.trainers + joiners)}
+        # host -> (namespace the trainer runs in, its address); a NAT'd host's router is what others can reach
+        hosts: dict[int, tuple[str, str]] = {}
+        routers: dict[int, tuple[str, str]] = {}
+        for i in range(args.trainers + joiners):
+            if behind_nat(args, i):
+                ns, ip, router, public_ip = net.add_nat_host(2 + i, profile=trainer_profile(args, i))
+                hosts[2 + i], routers[2 + i] = (ns, ip), (router, public_ip)
+            else:
+                hosts[2 + i] = routers[2 + i] = net.add_host(2 + i, profile=trainer_profile(args, i))
+        # --nat: a volunteer with a public address of its own, for the reachability check
+        public_host = net.add_host(249, shaped=False) if args.nat else None
         # an unshaped host beside the first peer's, to measure what the hub itself forwards
         ceiling_host = net.add_host(250, shaped=False) if latency == "switch" else None
         net.start()
         # measured, not assumed: the round trip between the first two trainers' namespaces
-        rtt_ms = net.round_trip_ms(hosts[2][0], hosts[3][1]) if len(hosts) > 1 else 0.0
+        rtt_ms = net.round_trip_ms(routers[2][0], routers[3][1]) if len(hosts) > 1 else 0.0
         print(f"round trip between trainer hosts: {rtt_ms:.1f} ms", flush=True)
         ceiling = net.throughput_mbit(ceiling_host[0], first_host[0], first_host[1]) if ceiling_host else None
         if ceiling is not None:
@@ -339,13 +381,40 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
                 )
             )
 
+        # run_trainer.py --check as a volunteer would, in each situation: its reachability line
+        checks = {}
+        if args.nat:
+            nat_hosts = [hosts[i] for i in sorted(hosts) if hosts[i] != routers[i]]
+            situations = {"public address": (public_host, []), "behind NAT": (nat_hosts[0], [])}
+            if len(nat_hosts) > 1:
+                situations["behind NAT, --no_auto_relay"] = (nat_hosts[1], ["--no_auto_relay"])
+            running = {
+                situation: PeerProcess(
+                    REPO / "run_trainer.py",
+                    ["--check", "--run_id", run_id, "--initial_peers", *initial_peers, *flags]
+                    + tiny_trainer_flags(host=host[1], output_dir=workdir / "check"),
+                    workdir / f"check {situation}.log",
+                    wrapper=["ip", "netns", "exec", host[0]],
+                )
+                for situation, (host, flags) in situations.items()
+            }
+            for situation, check in running.items():
+                wait_for(lambda check=check: not check.running(), 120, f"run_trainer.py --check ({situation})")
+                line = re.search(r"^\[.*\] reachable from outside: .*$", check.output(), re.MULTILINE)
+                checks[situation] = line.group(0) if line else check.output()[-500:]
+                print(f"--check {situation}: {checks[situation]}", flush=True)
+
         started_at: dict[str, float] = {}
         host_of: dict[str, str] = {}
+        nat_of: dict[str, bool] = {}
+        client_of: dict[str, bool] = {}
+        port_of: dict[str, str] = {}  # the hub-side port of the trainer's link (its router's, behind NAT)
 
         def start_trainer(index: int, client: bool) -> str:
             name = f"trainer{len(trainers)}"
             ns, ip = hosts[index]
-            started_at[name], host_of[name] = time.time(), ns
+            started_at[name], host_of[name], nat_of[name] = time.time(), ns, hosts[index] != routers[index]
+            client_of[name], port_of[name] = client, f"v{index}"
             trainers[name] = PeerProcess(
                 REPO / "run_trainer.py",
                 trainer_args(args, run_id, initial_peers, ip, workdir / name, client),
@@ -357,7 +426,8 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
         for i in range(args.trainers):
             # one firewalled volunteer (client mode) once there are 3 trainers: with 2, churn could leave it alone,
             # and a client-mode peer can neither host an all-reduce group nor serve the state to a newcomer
-            start_trainer(2 + i, client=i == args.trainers - 1 and args.trainers >= 3 and not args.heterogeneous)
+            last = i == args.trainers - 1 and args.trainers >= 3
+            start_trainer(2 + i, client=last and not args.heterogeneous and not args.nat)
         # the byte counters start once every trainer trains: before that, link probes and a download of the first
         # trainer's parameters are the traffic of starting, not of averaging
         start_bytes = None
@@ -368,7 +438,7 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
                 raise TimeoutError(f"the scenario did not finish in {args.timeout} s")
             swarm_step = max((r.step for name in trainers for r in read_train_log(workdir / name)[-1:]), default=0)
             if start_bytes is None and all(TRAINING.search(p.output()) for p in trainers.values()):
-                start_bytes = {ns: net.tx_bytes(ns) for ns, _ in hosts.values()}
+                start_bytes = {ns: net.tx_bytes(ns) for ns, _ in [*hosts.values(), first_host]}
             due = (args.churn_every and time.time() >= next_churn) or (
                 args.churn_every_steps and swarm_step >= next_churn_step
             )
@@ -383,9 +453,11 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
                 next_churn_step = swarm_step + args.churn_every_steps
                 print(f"churn: killed {victim}, started {name} on a new host", flush=True)
             time.sleep(1)
-        start_bytes = start_bytes or {ns: net.tx_bytes(ns) for ns, _ in hosts.values()}
+        start_bytes = start_bytes or {ns: net.tx_bytes(ns) for ns, _ in [*hosts.values(), first_host]}
         sent_by_host = {ns: net.tx_bytes(ns) - start_bytes[ns] for ns, _ in hosts.values()}
         sent = sum(sent_by_host.values())
+        # what the first peer sent meanwhile: the DHT's traffic, and with NAT'd trainers, everything it relayed
+        first_peer_sent = net.tx_bytes(first_host[0]) - start_bytes[first_host[0]]
         failed = [name for name, p in trainers.items() if p.process.returncode not in (0, -signal.SIGKILL)]
         if failed:
             raise RuntimeError(f"{failed} failed:\n" + trainers[failed[0]].output()[-3000:])
@@ -400,8 +472,19 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
         "sent_by_trainer": {name: sent_by_host[host_of[name]] for name in trainers},
         "link_of_trainer": {name: net.links[host_of[name]] for name in trainers},
         "started_at": started_at,
+        "first_peer_sent": first_peer_sent,
+        "hub": net.hub,
+        "reachability_checks": checks,
+        "nat": nat_of,
+        "client": client_of,
+        "one_way_ms": {name: net.ports[port_of[name]] for name in trainers},
     }
     return summarize(args, workdir, trainers, kills, sent, network)
+
+
+def behind_nat(args, index: int) -> bool:
+    """--nat N: the last N of the first trainers, and every replacement after churn (a volunteer at home)."""
+    return bool(args.nat) and index >= args.trainers - args.nat
 
 
 def trainer_profile(args, index: int) -> LinkProfile:
@@ -458,6 +541,16 @@ def summarize(args, workdir: Path, trainers: dict, kills: list[float], sent_byte
             newcomers.append(
                 {"trainer": name, "seconds": contributed[0].time - network["started_at"][name], "bound": bound}
             )
+    # each state download after the start, and whether every peer that could have served it was behind NAT (the
+    # first peer holds no state; hivemind logs the serving peer only in its averager's own process)
+    state_downloads = []
+    for name in trainers:
+        text = (workdir / f"{name}.log").read_text()
+        for _ in re.findall(r"joined at global step \d+|downloaded the swarm's state at global step \d+", text):
+            others = [other for other in trainers if other != name and not args.aux]
+            state_downloads.append(
+                {"trainer": name, "servers_behind_nat": bool(others) and all(network["nat"][o] for o in others)}
+            )
     # every trainer that finished cleanly, by its latest checkpoint (written after the final parameter round)
     finishers = [name for name, p in trainers.items() if p.process.returncode == 0]
     final_round = [
@@ -471,7 +564,23 @@ def summarize(args, workdir: Path, trainers: dict, kills: list[float], sent_byte
             finals.append(checkpoint)
             final_steps.append(step)
     agree, difference = checkpoints_agree(finals)
+    # what benchmarks/plan_run.py needs to predict this run: each trainer's compute rate and link
+    trainer_links = {
+        name: {
+            "up_mbit": links[name].up_mbit,
+            "down_mbit": links[name].down_mbit,
+            "one_way_ms": network["one_way_ms"][name],
+            "client": network["client"][name],
+            "samples_per_compute_second": sum(r.samples for r in log) / max(1e-9, sum(r.compute_seconds for r in log)),
+        }
+        for name, log in logs.items()
+        if log
+    }
     return {
+        "network": network["hub"],
+        "target_batch_size": args.target_batch_size,
+        "lockstep": args.lockstep,
+        "trainer_links": trainer_links,
         "model": args.model,
         "parameters": parameters,
         "balance": args.balance,
@@ -482,6 +591,10 @@ def summarize(args, workdir: Path, trainers: dict, kills: list[float], sent_byte
         "seconds_per_round": sum(round_times) / len(round_times) if round_times else None,
         "bandwidth": bandwidth,
         "newcomers": newcomers,
+        "nat": network["nat"],
+        "state_downloads": state_downloads,
+        "reachability_checks": network["reachability_checks"],
+        "first_peer_bytes_per_step": network["first_peer_sent"] / max(1, len(steps)),
         "profile": args.profile,
         "latency_by": latency,
         "round_trip_ms": rtt_ms,
@@ -518,7 +631,7 @@ def print_table(result: dict) -> None:
     print(
         f"\nprofile={result['profile']} ({shaping}), compression={result['compression']}, "
         f"aux={'assisting' if result['aux'] else 'none'}, trainers={result['trainers']}, "
-        f"churn events={result['churn_events']}\n"
+        f"churn events={result['churn_events']}, behind NAT={sum(result['nat'].values())}\n"
     )
     ceiling = result["switch_ceiling_mbit"]
     rows = [
@@ -558,6 +671,19 @@ def print_table(result: dict) -> None:
                 f"{declared} / {b['shaped_mbit']:g}, {b['sent_bytes']:,}",
             )
         )
+    if any(result["nat"].values()):
+        rows.append(("trainers behind NAT", ", ".join(name for name, nat in result["nat"].items() if nat)))
+        rows.append(
+            (
+                "first peer's bytes sent per global step (DHT, and all it relayed)",
+                f"{result['first_peer_bytes_per_step']:,.0f}",
+            )
+        )
+    for situation, line in result["reachability_checks"].items():
+        rows.append((f"run_trainer.py --check, {situation}", line.replace("|", "/")))
+    for download in result["state_downloads"]:
+        served_by = "a peer behind NAT (no other holds the state)" if download["servers_behind_nat"] else "a peer"
+        rows.append((f"{download['trainer']}: state downloaded from", served_by))
     for newcomer in result["newcomers"]:
         rows.append(
             (
@@ -639,6 +765,13 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--output_json", default=None, help="also write the results to this JSON file")
     parser.add_argument("--lockstep", action="store_true", help="trainers without delayed updates (DPU off)")
+    parser.add_argument(
+        "--nat",
+        type=int,
+        default=0,
+        help="put the last N trainers, and every replacement after churn, behind NAT routers (iptables "
+        "masquerade: only replies come in); they reach each other through the first peer's relay",
+    )
     parser.add_argument("--keep_logs", default=None, help="copy every peer's log and train log to this folder")
     args = parser.parse_args(argv)
     if args.quick:
@@ -648,6 +781,12 @@ def main(argv=None) -> int:
         print("error: netswarm.py needs root and iproute2 (ip, tc) to build network namespaces", file=sys.stderr)
         return 2
     args.latency_by = "netem" if netem_available() else "switch"
+    if args.nat and not shutil.which("iptables"):
+        print("error: --nat needs iptables for its NAT routers: apt-get install iptables", file=sys.stderr)
+        return 2
+    if not 0 <= args.nat <= args.trainers:
+        print(f"error: --nat {args.nat}: between 0 and --trainers ({args.trainers})", file=sys.stderr)
+        return 2
     if args.latency_by == "switch" and not shutil.which("ethtool"):
         print("error: no sch_netem here; the latency switch needs ethtool: apt-get install ethtool", file=sys.stderr)
         return 2

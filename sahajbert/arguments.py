@@ -138,7 +138,32 @@ class SwarmArguments:
     )
     client_mode: bool = field(
         default=False,
-        metadata={"help": "Accept no incoming connections (behind a firewall/NAT); the peer still trains."},
+        metadata={
+            "help": "Accept no incoming connections at all; the peer still trains, but cannot average with other "
+            "client-mode peers or serve the state to newcomers (behind NAT, --auto_relay usually does better)."
+        },
+    )
+    auto_relay: bool = field(
+        default=True,
+        metadata={
+            "help": "When libp2p finds this peer unreachable (behind NAT), book a slot on a relay (--relays) and "
+            "take incoming connections through it: it then averages and serves the state like any peer."
+        },
+    )
+    relays: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Multiaddrs of the peers that relay for NAT'd volunteers (default: the initial peers; every "
+            "reachable peer of this run relays, up to 4 GiB each way and 1 hour per relayed connection)."
+        },
+    )
+    reachability: str = field(
+        default="auto",
+        metadata={
+            "help": "auto: libp2p's AutoNAT asks other peers to dial back (about 15 s); public or private: skip "
+            "that test when you know (a relaying peer should leave it to AutoNAT: see README).",
+            "choices": ["auto", "public", "private"],
+        },
     )
     use_ipfs: bool = field(default=False, metadata={"help": "Also find peers through the public IPFS DHT."})
     join_timeout: float = field(

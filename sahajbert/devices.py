@@ -64,7 +64,6 @@ class HardwareConfig:
     precision: str
     per_device_train_batch_size: int
     gradient_checkpointing: bool
-    client_mode: bool
 
     def as_flags(self) -> list[str]:
         flags = [
@@ -77,27 +76,26 @@ class HardwareConfig:
         ]
         if self.gradient_checkpointing:
             flags.append("--gradient_checkpointing")
-        if self.client_mode:
-            flags.append("--client_mode")
         return flags
 
 
-def auto_configure(device: DeviceInfo, reachable: bool = False) -> HardwareConfig:
+def auto_configure(device: DeviceInfo) -> HardwareConfig:
     """Pick precision, batch size and gradient checkpointing for sahajBERT (sequence 512) on `device`.
 
     Sizes follow accelerator memory (GiB): below 24 GiB activations are recomputed (gradient checkpointing); fp32
-    halves what fits. Notebooks (Colab, Kaggle) cannot accept connections, so `reachable=False` means client mode.
+    halves what fits. Reachability is not the hardware's: a trainer behind NAT (Colab, Kaggle, home) becomes
+    reachable through a relay, or joins in client mode by itself when none takes it (sahajbert.swarm.reachability).
     A TPU host is described as kind "tpu" with its total memory; it computes in float32 (bf16 diverged in
     sahajBERT-XL), 8 examples per core.
     """
     if device.kind == "tpu":
-        return HardwareConfig("tpu", "fp32", 8, False, not reachable)
+        return HardwareConfig("tpu", "fp32", 8, False)
     if device.kind == "cpu":
-        return HardwareConfig("cpu", "fp32", 2, False, not reachable)
+        return HardwareConfig("cpu", "fp32", 2, False)
     precision = choose_precision(device, "auto")
     checkpointing = device.memory_gib < 24
     budget = device.memory_gib * (1.0 if checkpointing else 0.75) * (1.0 if precision == "fp16" else 0.5)
     batch = 1
     while batch * 2 <= budget and batch < 64:  # the largest power of two that fits
         batch *= 2
-    return HardwareConfig("cuda", precision, batch, checkpointing, not reachable)
+    return HardwareConfig("cuda", precision, batch, checkpointing)

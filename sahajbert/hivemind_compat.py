@@ -263,3 +263,52 @@ def is_identity_file(path: str) -> bool:
     except (OSError, DecodeError, ValueError, TypeError):
         return False
     return key.key_type == crypto_pb2.KeyType.RSA
+
+
+# a relayed connection is reset after this much data (bytes, each way) or time (s): the most libp2p accepts
+RELAY_DATA_LIMIT = 1 << 32
+RELAY_TIME_LIMIT = 3600
+
+# p2pd flags that hivemind.P2P.create does not pass on: added to every p2p daemon this process starts, through
+# `P2P._make_process_args` (its one place that turns keyword arguments into the daemon's command line)
+_DAEMON_FLAGS: dict[str, object] = {}
+
+
+def set_daemon_flags(**flags) -> None:
+    """Extra p2pd flags for the daemons this process (and the DHT process it forks) starts from now on."""
+    from hivemind.p2p.p2p_daemon import P2P
+
+    if not getattr(P2P._make_process_args, "_sahajbert", False):
+        original = P2P._make_process_args
+
+        def make_process_args(*args, **kwargs):
+            return original(*args, **{**kwargs, **_DAEMON_FLAGS})
+
+        make_process_args._sahajbert = True
+        P2P._make_process_args = staticmethod(make_process_args)
+    _DAEMON_FLAGS.clear()
+    _DAEMON_FLAGS.update(flags)
+
+
+def relay_options(auto_relay: bool, relays: list[str], reachability: str, client_mode: bool) -> dict:
+    """hivemind.DHT keyword arguments, and the p2pd flags hivemind lacks, for NAT traversal over libp2p relays.
+
+    - A NAT'd peer books a slot on the given relays as soon as AutoNAT finds it private. p2pd's default relay
+      discovery waits 3 minutes for 4 candidates; `-relayDiscovery=0` with `-trustedRelays` uses these at once.
+    - Every peer that accepts connections relays (p2pd's `-relayService`, on by default) with limits sized for
+      averaging: libp2p's default is 128 KiB and 2 minutes per relayed connection, which resets an all-reduce a
+      fraction of the way in (a state download then ends early: "shape ... is invalid for input of size ...").
+      p2pd (learning-at-home's, main.go) starts two relay services on one protocol: one with libp2p's defaults at
+      start-up, and one with these limits once AutoNAT finds the peer public; the later one takes the protocol
+      over. So a relay must not force its reachability public (`--reachability public` makes the two start
+      together, and either may win), and libp2p's bounds hold: asked for more than its 1 h reservation or
+      4 GiB, the second service fails to start (measured here with 24 h and with 1 TiB).
+    """
+    options: dict = {}
+    flags: dict[str, object] = {"relayDataLimit": RELAY_DATA_LIMIT, "relayTimeLimit": f"{RELAY_TIME_LIMIT}s"}
+    if reachability != "auto":
+        options["force_reachability"] = reachability
+    if auto_relay and relays and not client_mode:
+        options.update(use_auto_relay=True, trusted_relays=list(relays))
+        flags["relayDiscovery"] = False
+    return {"dht": options, "daemon": flags}

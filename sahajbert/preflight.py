@@ -1,7 +1,5 @@
 """run_trainer.py --check: a checklist of what a volunteer's machine needs, each failure with its fix."""
 
-import ipaddress
-import re
 import resource
 import shutil
 import time
@@ -94,12 +92,42 @@ def check_disk(output_dir: str, model: str, keep: int) -> Check:
     return Check("disk space", "ok", detail)
 
 
-def _public(address: str) -> bool:
-    try:
-        ip = ipaddress.ip_address(address)
-    except ValueError:
-        return False
-    return not (ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_unspecified)
+# what a volunteer behind NAT does for direct connections (faster, and no load on the relay)
+FORWARD_PORT = (
+    "forward a TCP port on your router to this machine, then pass --host_maddrs /ip4/0.0.0.0/tcp/PORT "
+    "--announce_maddrs /ip4/YOUR_PUBLIC_IP/tcp/PORT"
+)
+
+
+def check_reachability(reach) -> Check:
+    """How other peers reach this one (sahajbert.swarm.reachability), with what to do about it."""
+    name = "reachable from outside"
+    if reach.kind == "client":
+        return Check(name, "ok", "client mode: no incoming connections needed (this peer serves nobody)")
+    if reach.kind == "public":
+        return Check(name, "ok", f"public address {reach.address} (not dialed back)")
+    if reach.kind == "relayed":
+        return Check(
+            name,
+            "ok",
+            f"behind NAT, reachable through the relay {reach.address.split('/p2p-circuit')[0]}: this peer averages "
+            "and serves the state like any other, its traffic passing through that relay",
+            f"optional, for direct connections: {FORWARD_PORT}",
+        )
+    if reach.kind == "unreachable":
+        return Check(
+            name,
+            "warn",
+            "behind NAT and not reachable through a relay: others cannot connect to it (a trainer then joins in "
+            "client mode by itself, and serves nobody)",
+            f"leave --auto_relay on (the default) with a first peer of this version, which relays; or {FORWARD_PORT}",
+        )
+    return Check(
+        name,
+        "warn",
+        "only private or loopback addresses, and no public relay to test against",
+        f"fine on one network; across the internet add --client_mode, or {FORWARD_PORT}",
+    )
 
 
 def run_checks(peer_args: PeerArguments) -> list[Check]:
@@ -107,7 +135,7 @@ def run_checks(peer_args: PeerArguments) -> list[Check]:
     swarm_args, training_args = peer_args.swarm_args, peer_args.training_args
     import hivemind
 
-    from sahajbert.swarm import UNREACHABLE_FIX, build_dht, quiet_hivemind, validate_initial_peers
+    from sahajbert.swarm import UNREACHABLE_FIX, build_dht, quiet_hivemind, reachability, validate_initial_peers
 
     quiet_hivemind(swarm_args.verbose)  # the checklist is the output: hivemind's INFO lines only with --verbose
 
@@ -148,22 +176,7 @@ def run_checks(peer_args: PeerArguments) -> list[Check]:
         return checks + [Check("initial peers answer", "fail", detail, UNREACHABLE_FIX)]
     try:
         checks.append(Check("initial peers answer", "ok", f"joined in {time.monotonic() - started:.1f} s"))
-        addresses = [str(m) for m in dht.get_visible_maddrs()]
-        public = [a for a in addresses if any(_public(x) for x in re.findall(r"/ip[46]/([^/]+)/", a))]
-        if swarm_args.client_mode:
-            checks.append(Check("reachable from outside", "ok", "client mode: no incoming connections needed"))
-        elif public:
-            checks.append(Check("reachable from outside", "ok", f"public address {public[0]} (not dialed back)"))
-        else:
-            checks.append(
-                Check(
-                    "reachable from outside",
-                    "warn",
-                    "only private or loopback addresses",
-                    "others cannot connect to this machine: add --client_mode (or --announce_maddrs "
-                    "with a forwarded public port)",
-                )
-            )
+        checks.append(check_reachability(reachability(dht, swarm_args)))
     finally:
         dht.shutdown()
     return checks

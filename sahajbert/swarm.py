@@ -1,9 +1,13 @@
 """Joining the swarm: multiaddr validation, the hivemind DHT, and the --initial_peers line others paste."""
 
+import dataclasses
 import errno
+import ipaddress
 import logging
 import re
 import socket
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import hivemind
@@ -25,8 +29,8 @@ UNREACHABLE_FIX = (
 )
 
 
-def validate_initial_peers(peers: list[str]) -> list[str]:
-    """Each initial peer must be a full libp2p multiaddr that names the peer id (/p2p/...)."""
+def validate_initial_peers(peers: list[str], flag: str = "--initial_peers") -> list[str]:
+    """Each initial peer (or relay) must be a full libp2p multiaddr that names the peer id (/p2p/...)."""
     for peer in peers:
         try:
             maddr = Multiaddr(peer)
@@ -34,7 +38,7 @@ def validate_initial_peers(peers: list[str]) -> list[str]:
         except Exception:  # multiaddr raises several types for malformed input
             has_peer_id = False
         if not has_peer_id:
-            raise UserError(f"--initial_peers must be a libp2p multiaddr like {EXAMPLE_MADDR}, got '{peer}'")
+            raise UserError(f"{flag} must be a libp2p multiaddr like {EXAMPLE_MADDR}, got '{peer}'")
     return list(peers)
 
 
@@ -87,6 +91,7 @@ _STARTUP_ADVICE = _StartupAdvice()
 def quiet_hivemind(verbose: bool) -> None:
     """hivemind's INFO lines and start-up advice go to the terminal only with --verbose; warnings and errors always."""
     logging.getLogger("hivemind").setLevel(logging.INFO if verbose else logging.WARNING)
+
     matchmaking = logging.getLogger("hivemind.averaging.matchmaking")
     matchmaking.removeFilter(_STARTUP_ADVICE)
     if not verbose:
@@ -101,6 +106,9 @@ def build_dht(
     check_identity_path(swarm_args.identity_path)
     check_ports_free(swarm_args.host_maddrs)
     quiet_hivemind(swarm_args.verbose)
+    relays = validate_initial_peers(swarm_args.relays, "--relays") or peers
+    relaying = compat.relay_options(swarm_args.auto_relay, relays, swarm_args.reachability, swarm_args.client_mode)
+    compat.set_daemon_flags(**relaying["daemon"])
     try:
         dht = hivemind.DHT(
             initial_peers=peers,
@@ -112,6 +120,7 @@ def build_dht(
             use_ipfs=swarm_args.use_ipfs,
             identity_path=swarm_args.identity_path,
             record_validators=list(record_validators),
+            **relaying["dht"],
         )
     except TimeoutError as e:
         raise UserError(f"no initial peer answered within {swarm_args.join_timeout:.0f} s: {' '.join(peers)}") from e
@@ -122,6 +131,61 @@ def build_dht(
         raise UserError(f"could not join the swarm: {message}") from e
     serve_link_probe(dht)  # newcomers measure their link against this peer (a client-mode peer serves nothing)
     return dht
+
+
+# seconds a peer with only private addresses waits to become reachable through a relay: AutoNAT's verdict (about
+# 15 s here: other peers try to dial back) and the relay's reservation (under a second)
+RELAY_WAIT = 45.0
+
+
+@dataclass(frozen=True)
+class Reachability:
+    """How other peers reach this one: "public" (an address of its own), "relayed" (through a relay, behind NAT),
+    "unreachable" (behind NAT, no relay took it), "client" (--client_mode) or "local" (private addresses and no
+    public relay to test against: a LAN or this machine)."""
+
+    kind: str
+    address: str = ""
+
+
+def public_ip(maddr: str) -> bool:
+    """Whether a multiaddr names a public IP address (what a peer on the internet can dial)."""
+    for address in re.findall(r"/ip[46]/([^/]+)/", maddr):
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            continue
+        if not (ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_unspecified):
+            return True
+    return False
+
+
+def relays_of(swarm_args: SwarmArguments) -> list[str]:
+    """The peers that relay for this one: --relays, else the initial peers."""
+    return validate_initial_peers(swarm_args.relays, "--relays") or list(swarm_args.initial_peers)
+
+
+def reachability(dht: hivemind.DHT, swarm_args: SwarmArguments, wait: float = RELAY_WAIT) -> Reachability:
+    """Find out how others reach this peer; with only private addresses and a public relay, wait up to `wait`
+    seconds for libp2p to book a relay slot (a circuit address appears among the visible addresses)."""
+    if swarm_args.client_mode:
+        return Reachability("client")
+    # a swarm on the internet: then only private addresses here mean a NAT between this peer and the others
+    internet = any(public_ip(relay) for relay in relays_of(swarm_args))
+    deadline = time.monotonic() + wait
+    while True:
+        addresses = [str(m) for m in dht.get_visible_maddrs(latest=True)]
+        circuits = [a for a in addresses if "/p2p-circuit" in a]
+        if circuits:
+            return Reachability("relayed", circuits[0])
+        public = [a for a in addresses if public_ip(a)]
+        if public:
+            return Reachability("public", public[0])
+        if not internet:
+            return Reachability("local")
+        if not swarm_args.auto_relay or time.monotonic() >= deadline:
+            return Reachability("unreachable")
+        time.sleep(1.0)
 
 
 def initial_peers_line(dht: hivemind.DHT) -> str:
@@ -143,6 +207,20 @@ class SwarmPeer:
         """Start this peer's DHT node with the run's record validators (its metrics are signed with its key)."""
         validators, self.public_key = metrics.make_validators(swarm_args.run_id)
         self.dht = build_dht(swarm_args, validators)
+        logger.info(f"joined the swarm as peer {self.dht.peer_id}")
+        self.reachability = reachability(self.dht, swarm_args)
+        if self.reachability.kind == "relayed":
+            logger.info(f"behind NAT: other peers reach this one through the relay {self.reachability.address}")
+        elif self.reachability.kind == "unreachable":
+            # others would try to connect and fail, failing every round they match it into: serve nobody instead
+            logger.warning(
+                "behind NAT and not reachable through a relay: joining again in client mode (it trains and sends its "
+                "part of each round, but cannot serve the state or host a round)"
+            )
+            self.dht.shutdown()
+            swarm_args = dataclasses.replace(swarm_args, client_mode=True)
+            self.dht = build_dht(swarm_args, validators)
+            self.reachability = Reachability("client")
 
     def __enter__(self):
         return self

@@ -121,7 +121,7 @@ class TrainerPeer(SwarmPeer):
         # trainers that stop at --max_steps average their parameters once more (sahajbert.stopping.FinalRound)
         timing = self.timing
         self.final_round = (
-            FinalRound(timing.final_averaging_window, swarm_args.client_mode, timing.averaging_timeout)
+            FinalRound(timing.final_averaging_window, self.dht.client_mode, timing.averaging_timeout)
             if training_args.max_steps is not None and timing.final_averaging_window > 0
             else None
         )

@@ -1,4 +1,4 @@
-"""benchmarks/netswarm.py --quick: two trainers on shaped links with latency, one churn event (needs root)."""
+"""benchmarks/netswarm.py: the quick scenario behind NAT, heterogeneous links, the real model size (needs root)."""
 
 import json
 import os
@@ -24,12 +24,15 @@ def namespaces() -> set[str]:
     return {line.split()[0] for line in listing.splitlines() if line.strip()}
 
 
-def test_quick_scenario_keeps_stepping_through_churn_and_ends_in_agreement(tmp_path):
+def test_quick_scenario_behind_nat_keeps_stepping_through_churn_and_ends_in_agreement(tmp_path):
+    # `--quick --nat 2`: two trainers and the replacement after churn, each behind its own masquerading router (only
+    # replies come in); they book slots on the first peer's relay once AutoNAT finds them private and reach each
+    # other through it (or directly, where libp2p's hole punching gets through). The trainers' defaults: delayed
+    # parameter updates (DPU), then one final parameter round at --max_steps.
     before = namespaces()
     result_path = tmp_path / "result.json"
-    # the trainers' defaults: delayed parameter updates (DPU), then one final parameter round at --max_steps
     run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "netswarm.py"), "--quick", "--timeout", "420"]
+        [sys.executable, str(ROOT / "benchmarks" / "netswarm.py"), "--quick", "--nat", "2", "--timeout", "480"]
         + ["--output_json", str(result_path), "--keep_logs", str(tmp_path / "logs")],
         capture_output=True,
         text=True,
@@ -39,18 +42,36 @@ def test_quick_scenario_keeps_stepping_through_churn_and_ends_in_agreement(tmp_p
     )
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     result = json.loads(result_path.read_text())
-    # latency is really there: the measured round trip between the trainers' hosts is 2 * (12.5 + 37.5) ms
+    # latency is really there: the measured round trip between the trainers' routers is 2 * (12.5 + 37.5) ms
     assert 90 <= result["round_trip_ms"] <= 150, result
     assert result["churn_events"] == 1
     assert result["global_steps"] == 8
     assert result["steps_after_last_churn"] >= 3, "global steps must keep being made after the churn event"
+    # what run_trainer.py --check tells a volunteer in each situation
+    checks = result["reachability_checks"]
+    assert checks["public address"].startswith("[ ok ] reachable from outside: public address"), checks
+    assert "[ ok ] reachable from outside: behind NAT, reachable through the relay" in checks["behind NAT"], checks
+    assert (
+        "[warn] reachable from outside: behind NAT and not reachable through a relay"
+        in checks["behind NAT, --no_auto_relay"]
+    ), checks
+    assert all(result["nat"].values()) and len(result["nat"]) == 3, result["nat"]
+    for name in result["nat"]:
+        text = (tmp_path / "logs" / f"{name}.log").read_text()
+        assert "behind NAT: other peers reach this one through the relay" in text, (name, text[-3000:])
+    assert result["seconds_per_round"] is not None, "gradient all-reduce rounds between NAT'd trainers finished"
+    # the newcomer's state came from a trainer behind NAT: no other peer of this swarm holds one
+    assert [d["servers_behind_nat"] for d in result["state_downloads"]] == [True], result["state_downloads"]
     assert result["peers_at_the_end"] == 2
     assert max(result["final_round_peers"]) == 2, "the two finishers averaged their parameters once more"
     assert result["parameters_agree"], f"final peers differ by up to {result['max_parameter_difference']:.2e}"
     assert "| global steps per minute |" in run.stdout, "the result table is printed"
     assert namespaces() == before, "every namespace the run made is gone"
+    # this run's switch (another run's may be serving its own network meanwhile)
     leftovers = [
-        p for p in psutil.process_iter(["cmdline"]) if "benchmarks/delayswitch.py" in " ".join(p.info["cmdline"] or [])
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if f"--network {result['network']}" in " ".join(p.info["cmdline"] or [])
     ]
     assert not leftovers, "the delay switch stopped with the run"
     assert "frames forwarded" in (tmp_path / "logs" / "delayswitch.log").read_text() or result["latency_by"] == "netem"

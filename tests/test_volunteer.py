@@ -16,21 +16,21 @@ from .swarm_helpers import LOCAL, ROOT, TINY_TRAINING, first_peer, script
 @pytest.mark.parametrize(
     "device, expected",
     [
-        (DeviceInfo("cuda", "Tesla T4", (7, 5), 14.7), HardwareConfig("cuda", "fp16", 8, True, True)),
-        (DeviceInfo("cuda", "Tesla P100-PCIE-16GB", (6, 0), 15.9), HardwareConfig("cuda", "fp32", 4, True, True)),
-        (DeviceInfo("cuda", "NVIDIA A100-SXM4-40GB", (8, 0), 39.4), HardwareConfig("cuda", "fp16", 16, False, True)),
-        (DeviceInfo("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 79.1), HardwareConfig("cuda", "fp16", 32, False, True)),
-        (DeviceInfo("tpu", "TPU v3-8", None, 128.0), HardwareConfig("tpu", "fp32", 8, False, True)),
-        (DeviceInfo("cpu", "cpu"), HardwareConfig("cpu", "fp32", 2, False, True)),
+        (DeviceInfo("cuda", "Tesla T4", (7, 5), 14.7), HardwareConfig("cuda", "fp16", 8, True)),
+        (DeviceInfo("cuda", "Tesla P100-PCIE-16GB", (6, 0), 15.9), HardwareConfig("cuda", "fp32", 4, True)),
+        (DeviceInfo("cuda", "NVIDIA A100-SXM4-40GB", (8, 0), 39.4), HardwareConfig("cuda", "fp16", 16, False)),
+        (DeviceInfo("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 79.1), HardwareConfig("cuda", "fp16", 32, False)),
+        (DeviceInfo("tpu", "TPU v3-8", None, 128.0), HardwareConfig("tpu", "fp32", 8, False)),
+        (DeviceInfo("cpu", "cpu"), HardwareConfig("cpu", "fp32", 2, False)),
     ],
 )
 def test_auto_configuration(device, expected):
     assert auto_configure(device) == expected
 
 
-def test_reachable_machines_are_not_put_in_client_mode():
-    config = auto_configure(DeviceInfo("cuda", "A100", (8, 0), 80.0), reachable=True)
-    assert not config.client_mode and "--client_mode" not in config.as_flags()
+def test_auto_config_leaves_reachability_to_the_trainer():
+    # behind NAT a trainer books a relay slot, or joins in client mode by itself: no --client_mode from hardware
+    assert "--client_mode" not in auto_configure(DeviceInfo("cuda", "T4", (7, 5), 15.0)).as_flags()
     assert "--gradient_checkpointing" in auto_configure(DeviceInfo("cuda", "T4", (7, 5), 15.0)).as_flags()
 
 
@@ -69,16 +69,17 @@ def test_check_passes_against_a_running_first_peer(swarm, tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
     out = result.stdout
-    assert "auto config for cpu: --device cpu --precision fp32 --per_device_train_batch_size 2 --client_mode" in out
+    assert "auto config for cpu: --device cpu --precision fp32 --per_device_train_batch_size 2\n" in out
     for item in (
         "versions",
         "open-files limit",
         "disk space",
         "p2pd starts",
         "initial peers answer",
-        "reachable from outside",
     ):
         assert f"[ ok ] {item}" in out, out
+    # a swarm on 127.0.0.1: nothing to be reached from, and no public relay to test against (a warning, not a fail)
+    assert "[warn] reachable from outside: only private or loopback addresses, and no public relay" in out, out
     assert "6/6 checks passed" in out
 
 

@@ -1,0 +1,173 @@
+#!/usr/bin/env python
+"""A long run with churn on this machine: memory (RSS) of every peer over hundreds of averaging rounds.
+
+hivemind issues #264 and #654 report averager memory that grows over hours of rounds, tied to failed rounds,
+until training halts. This runs a first peer and --trainers tiny trainers on loopback for --rounds averaging rounds
+(each global step is one gradient and one parameter all-reduce). Every --churn_every seconds one trainer is killed
+(SIGKILL, as a closed laptop) and a new one starts, so that rounds do fail: the peers that were matched with it
+wait for its parts and give up. trainer0 is never killed: it lives through every round.
+
+RSS is measured per peer as the sum over its whole process tree (the trainer, hivemind's DHT and averager
+processes, the p2p daemons), every --sample_every seconds. Printed: one row per sample time, and per long-lived
+peer its RSS after warm-up (--warmup_rounds), at the end, and the growth in between.
+"""
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+from sahajbert.localswarm import PeerProcess, start_first_peer, tiny_trainer_flags
+from sahajbert.train_log import read_train_log
+
+REPO = Path(__file__).resolve().parents[1]
+ROUNDS_PER_STEP = 2  # a global step: the gradient all-reduce, then the parameter all-reduce (DPU, every step)
+
+
+def tree_rss(process: psutil.Process) -> int:
+    """Resident bytes of a process and all its descendants (hivemind forks, p2pd)."""
+    total = 0
+    try:
+        for p in [process, *process.children(recursive=True)]:
+            try:
+                total += p.memory_info().rss
+            except psutil.NoSuchProcess:
+                pass
+    except psutil.NoSuchProcess:
+        pass
+    return total
+
+
+def soak(args, workdir: Path) -> dict:
+    run_id = "soak"
+    first_peer, initial_peers = start_first_peer(REPO / "run_first_peer.py", workdir, run_id)
+    max_steps = args.rounds // ROUNDS_PER_STEP + 1
+
+    def trainer_flags(name: str) -> list[str]:
+        return ["--run_id", run_id, "--initial_peers", *initial_peers] + tiny_trainer_flags(
+            target_batch_size=args.target_batch_size,
+            max_steps=max_steps,
+            save_steps=100_000,
+            output_dir=workdir / name,
+        )
+
+    trainers: dict[str, PeerProcess] = {}
+
+    def start(name: str) -> None:
+        trainers[name] = PeerProcess(REPO / "run_trainer.py", trainer_flags(name), workdir / f"{name}.log")
+
+    rng = random.Random(0)
+    samples: list[dict] = []  # {"time", "step", "rss": {peer: bytes}}
+    kills = 0
+    try:
+        for i in range(args.trainers):
+            start(f"trainer{i}")
+        started = time.time()
+        next_sample, next_churn = started, started + args.churn_every
+        while trainers["trainer0"].running():
+            now = time.time()
+            if now - started > args.timeout:
+                raise TimeoutError(f"the soak did not finish in {args.timeout:.0f} s")
+            if now >= next_sample:
+                log = read_train_log(workdir / "trainer0")
+                rss = {"first_peer": tree_rss(psutil.Process(first_peer.process.pid))}
+                rss.update(
+                    {name: tree_rss(psutil.Process(p.process.pid)) for name, p in trainers.items() if p.running()}
+                )
+                samples.append({"time": now - started, "step": log[-1].step if log else 0, "rss": rss})
+                next_sample = now + args.sample_every
+            step = max((r.step for r in read_train_log(workdir / "trainer0")[-1:]), default=0)
+            if args.churn_every and now >= next_churn and step < max_steps - 3:
+                victim = rng.choice([name for name, p in trainers.items() if name != "trainer0" and p.running()])
+                trainers[victim].kill()
+                kills += 1
+                start(f"trainer{args.trainers + kills - 1}")
+                print(f"{now - started:6.0f} s, step {step}: churn: killed {victim}", flush=True)
+                next_churn = now + args.churn_every
+            time.sleep(1)
+        if trainers["trainer0"].process.returncode != 0:
+            raise RuntimeError(trainers["trainer0"].output()[-3000:])
+    finally:
+        for p in [*trainers.values(), first_peer]:
+            p.stop(timeout=20)
+    log = read_train_log(workdir / "trainer0")
+    failed = sum((workdir / f"{name}.log").read_text().count("averaging round failed (") for name in trainers)
+    return {
+        "trainers": args.trainers,
+        "global_steps": log[-1].step if log else 0,
+        "averaging_rounds": (log[-1].step if log else 0) * ROUNDS_PER_STEP,
+        "failed_rounds": failed,
+        "failed_rounds_trainer0": log[-1].failed_rounds if log else 0,
+        "churn_events": kills,
+        "seconds": samples[-1]["time"] if samples else 0.0,
+        "samples": samples,
+    }
+
+
+def growth(result: dict, peer: str, warmup_step: int) -> tuple[float, float, float] | None:
+    """(RSS after warm-up, RSS at the end, growth) in MiB for a peer that lived through the whole soak."""
+    series = [(s["step"], s["rss"][peer]) for s in result["samples"] if peer in s["rss"]]
+    after = [rss for step, rss in series if step >= warmup_step]
+    if len(after) < 2:
+        return None
+    # the median of the first and of the last three samples: one sample can catch a round's buffers in flight
+    start = sorted(after[:3])[len(after[:3]) // 2] / 2**20
+    end = sorted(after[-3:])[len(after[-3:]) // 2] / 2**20
+    return start, end, end / start - 1
+
+
+def print_tables(result: dict, args) -> None:
+    print(f"\ncommand: python benchmarks/soak.py {' '.join(sys.argv[1:])}\n")
+    peers = ["first_peer", "trainer0"]
+    print("| seconds | trainer0's step | " + " | ".join(f"{p} RSS MiB" for p in peers) + " | other trainers RSS MiB |")
+    print("|---:|---:|" + "---:|" * len(peers) + "---|")
+    for s in result["samples"][:: max(1, len(result["samples"]) // 20)] + result["samples"][-1:]:
+        others = ", ".join(f"{s['rss'][n] / 2**20:.0f}" for n in s["rss"] if n not in peers)
+        cells = " | ".join(f"{s['rss'][p] / 2**20:.0f}" if p in s["rss"] else "-" for p in peers)
+        print(f"| {s['time']:.0f} | {s['step']} | {cells} | {others} |")
+    warmup_step = args.warmup_rounds // ROUNDS_PER_STEP
+    print(
+        f"\n{result['global_steps']} global steps ({result['averaging_rounds']} averaging rounds), "
+        f"{result['churn_events']} churn events, {result['failed_rounds']} failed rounds in all "
+        f"({result['failed_rounds_trainer0']} seen by trainer0), {result['seconds'] / 60:.1f} min\n"
+    )
+    print("| peer (lived through the soak) | RSS after warm-up, MiB | RSS at the end, MiB | growth |")
+    print("|---|---:|---:|---:|")
+    for peer in peers:
+        grown = growth(result, peer, warmup_step)
+        if grown:
+            print(f"| {peer} | {grown[0]:.0f} | {grown[1]:.0f} | {grown[2]:+.1%} |")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--rounds", type=int, default=300, help="averaging rounds trainer0 lives through")
+    parser.add_argument("--trainers", type=int, default=3, help="trainers at any time (trainer0 is never killed)")
+    parser.add_argument("--churn_every", type=float, default=120.0, help="seconds between churn events (0: none)")
+    parser.add_argument("--target_batch_size", type=int, default=128, help="samples per global step")
+    parser.add_argument("--sample_every", type=float, default=10.0, help="seconds between RSS samples")
+    parser.add_argument("--warmup_rounds", type=int, default=40, help="rounds before growth is measured")
+    parser.add_argument("--timeout", type=float, default=5400.0, help="seconds before the soak is abandoned")
+    parser.add_argument("--output_json", default=None, help="also write the samples and totals here")
+    args = parser.parse_args(argv)
+    if args.trainers < 2:
+        parser.error("--trainers must be at least 2: churn needs a trainer besides trainer0")
+    with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
+        try:
+            result = soak(args, Path(tmp))
+        except (TimeoutError, RuntimeError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    print_tables(result, args)
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

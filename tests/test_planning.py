@@ -1,0 +1,97 @@
+"""benchmarks/plan_run.py (the run planner) and the pieces of NAT traversal that need no network."""
+
+import json
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sahajbert import hivemind_compat as compat
+from sahajbert.arguments import SwarmArguments
+from sahajbert.swarm import public_ip, relays_of
+
+ROOT = Path(__file__).resolve().parents[1]
+PLAN = runpy.run_path(str(ROOT / "benchmarks" / "plan_run.py"))
+Peer = PLAN["Peer"]
+
+
+def test_butterfly_moves_twice_the_payload_with_equal_peers_and_balances_by_bandwidth():
+    payload = 10e6  # bytes
+    equal = [Peer(1.0, 20, 100, 50)] * 4
+    # each of 4 peers sends 3/4 of the payload as parts and 3/4 back as averaged shares, over its 20 Mbit/s upload
+    assert PLAN["butterfly_seconds"](equal, payload) == pytest.approx(2 * 0.75 * payload * 8 / 20e6)
+    # a client-mode peer reduces nothing: the 3 others take a third each, and each sends 2/3 of the payload as
+    # parts plus its averaged third to the 3 others
+    with_client = [Peer(1.0, 20, 100, 50)] * 3 + [Peer(1.0, 20, 100, 50, client=True)]
+    assert PLAN["butterfly_seconds"](with_client, payload) == pytest.approx(payload * 8 / 20e6 * (2 / 3 + 1))
+    # a fast peer takes a larger share, so the slow ones finish sooner than with an equal split
+    mixed = [Peer(1.0, 200, 200, 50), Peer(1.0, 5, 20, 50), Peer(1.0, 5, 20, 50)]
+    slow_peer_equal_split = (payload * 2 / 3 + 2 * payload / 3) * 8 / 5e6
+    assert PLAN["butterfly_seconds"](mixed, payload) < slow_peer_equal_split
+    assert PLAN["butterfly_seconds"]([Peer(1.0, 20, 100, 50)], payload) == 0.0
+
+
+def test_step_time_is_compute_bound_or_communication_bound():
+    constants = {"overhead": 1.0, "efficiency": 0.5, "matchmaking_share": 0.0}
+    fast_link = [Peer(10.0, 1000, 1000, 1)] * 2
+    seconds, compute, communication = PLAN["step_seconds"](fast_link, 1_000_000, 400, constants)
+    assert compute == pytest.approx(20.0) and seconds == pytest.approx(21.0) and communication < compute
+    slow_link = [Peer(10.0, 1, 1, 1)] * 2
+    seconds, compute, communication = PLAN["step_seconds"](slow_link, 10_000_000, 400, constants)
+    assert communication > compute and seconds == pytest.approx(1.0 + communication)
+
+
+def test_calibration_recovers_constants_from_runs_it_made(tmp_path):
+    truth = {"overhead": 2.0, "efficiency": 0.5, "matchmaking_share": 0.3}
+    runs = []
+    for up, rate in ((20, 100.0), (5, 100.0), (1000, 20.0), (20, 5.0)):
+        run = {
+            "model": "tiny",
+            "parameters": 2_000_000,
+            "target_batch_size": 384,
+            "compression": "fp16",
+            "trainer_links": {
+                f"trainer{i}": {
+                    "up_mbit": up,
+                    "down_mbit": 5 * up,
+                    "one_way_ms": 25.0,
+                    "client": False,
+                    "samples_per_compute_second": rate,
+                }
+                for i in range(3)
+            },
+        }
+        run["seconds_per_step"] = PLAN["predict_run"](run, truth)
+        runs.append(run)
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
+    assert PLAN["fit"](PLAN["load"]([str(tmp_path / "runs.json")])) == truth
+
+
+def test_plan_prints_days_and_rejects_a_bad_swarm_in_one_line():
+    plan = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "plan_run.py"), "--preset", "sahajbert-2021", "--steps", "1000"],
+        capture_output=True,
+        text=True,
+    )
+    assert plan.returncode == 0, plan.stderr
+    assert "| days to 1,000 steps |" in plan.stdout and "(56 peers)" in plan.stdout
+    bad = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "plan_run.py"), "--swarm", "4xGTX@broadband"],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode != 0 and bad.stderr.count("\n") == 1 and "expected COUNTxKIND@LINK" in bad.stderr
+
+
+def test_relay_options_book_the_initial_peers_and_size_the_relay_for_averaging():
+    first = "/ip4/31.77.0.1/tcp/31337/p2p/12D3KooWGWn1HNMv3LKnLgpbWQTqVjibrBXd37rwaD1WNqbMmSAQ"
+    options = compat.relay_options(True, [first], "auto", client_mode=False)
+    assert options["dht"] == {"use_auto_relay": True, "trusted_relays": [first]}
+    # static relays at once (no 3-minute discovery), and libp2p's largest limits (its 128 KiB default resets rounds)
+    assert options["daemon"] == {"relayDataLimit": 1 << 32, "relayTimeLimit": "3600s", "relayDiscovery": False}
+    assert "use_auto_relay" not in compat.relay_options(True, [first], "auto", client_mode=True)["dht"]
+    assert compat.relay_options(False, [first], "private", False)["dht"] == {"force_reachability": "private"}
+    assert public_ip(first) and not public_ip("/ip4/192.168.1.2/tcp/1") and not public_ip("/ip4/127.0.0.1/tcp/1")
+    assert relays_of(SwarmArguments(initial_peers=[first])) == [first]

@@ -8,14 +8,16 @@
 The model, one global step with delayed parameter updates (the trainers' default: a step's all-reduces run while the
 next step's samples are computed):
 
-    seconds per step = overhead + max(compute, matchmaking_share * matchmaking + butterfly / efficiency)
+    seconds per step = overhead + max(compute, matchmaking_share * matchmaking + round_trips * rtt
+                                              + butterfly / efficiency)
 
 - compute: the target batch over the swarm's summed samples/s;
 - butterfly: the slowest peer's seconds to move its share of one gradient and one parameter all-reduce, shares in
   proportion to the declared bandwidth as hivemind's load balancing assigns them (client-mode peers reduce no part);
 - matchmaking: the trainers' automatic matchmaking time for the swarm's slowest round trip (sahajbert.adaptive);
-- overhead, efficiency and matchmaking_share are fitted on netswarm runs (`--calibrate`), and checked on runs they
-  were not fitted on (`--validate`). CALIBRATED holds the values benchmarks/README.md reports, with their command.
+- rtt: the slowest round trip between two trainers (DHT lookups, matchmaking and each all-reduce wait on them);
+- overhead, efficiency, matchmaking_share and round_trips are fitted on netswarm runs (`--calibrate`), and checked
+  on runs they were not fitted on (`--validate`). CALIBRATED holds the values benchmarks/README.md reports.
 
 Compute rates are samples/s per device for each preset (HARDWARE): measure yours (run_trainer.py logs its samples/s)
 and pass --rate KIND=SAMPLES_PER_S; the defaults are estimates, labelled as such.
@@ -31,14 +33,14 @@ from pathlib import Path
 from sahajbert.adaptive import LinkEstimate, payload_bytes, plan_timing
 
 # fitted by: python benchmarks/plan_run.py --calibrate <the runs in benchmarks/README.md, "Planning a run">
-CALIBRATED = {"overhead": 1.0, "efficiency": 0.6, "matchmaking_share": 0.5}
+CALIBRATED = {"overhead": 1.0, "efficiency": 0.6, "matchmaking_share": 0.5, "round_trips": 10.0}
 
 
 @dataclass(frozen=True)
 class Link:
     down_mbit: float
     up_mbit: float
-    round_trip_ms: float  # to a well-connected peer
+    round_trip_ms: float  # to a well-connected peer (half the worst case between two such peers)
 
 
 LINKS = {
@@ -97,7 +99,13 @@ def step_seconds(peers: list[Peer], parameters: int, target_batch: int, constant
     link = LinkEstimate(min(p.up_mbit for p in peers), min(p.down_mbit for p in peers), slowest_rtt)
     matchmaking = plan_timing(gradient_bytes, state_bytes, link, {}).matchmaking_time
     moving = butterfly_seconds(peers, gradient_bytes) + butterfly_seconds(peers, state_bytes)
-    communication = constants["matchmaking_share"] * matchmaking + moving / constants["efficiency"]
+    between = sorted(p.round_trip_ms for p in peers)[-2:]  # the two slowest peers' round trip to each other (s)
+    rtt = sum(between) / 1000 if len(peers) > 1 else 0.0
+    communication = (
+        constants["matchmaking_share"] * matchmaking
+        + constants["round_trips"] * rtt
+        + moving / constants["efficiency"]
+    )
     return constants["overhead"] + max(compute, communication), compute, communication
 
 
@@ -137,10 +145,13 @@ def predict_run(result: dict, constants: dict) -> float:
 def fit(results: list[dict]) -> dict:
     """Grid search for the constants with the least mean squared relative error over `results`."""
     best, best_error = None, float("inf")
-    for overhead, efficiency, share in itertools.product(
-        [x / 4 for x in range(0, 21)], [x / 20 for x in range(2, 21)], [x / 10 for x in range(0, 11)]
+    for overhead, efficiency, share, trips in itertools.product(
+        [x / 4 for x in range(0, 21)],
+        [x / 20 for x in range(2, 21)],
+        [x / 10 for x in range(0, 11)],
+        [float(x) for x in range(0, 41, 2)],
     ):
-        constants = {"overhead": overhead, "efficiency": efficiency, "matchmaking_share": share}
+        constants = {"overhead": overhead, "efficiency": efficiency, "matchmaking_share": share, "round_trips": trips}
         error = sum((predict_run(r, constants) / r["seconds_per_step"] - 1) ** 2 for r in results) / len(results)
         if error < best_error:
             best, best_error = constants, error

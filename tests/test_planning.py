@@ -34,7 +34,7 @@ def test_butterfly_moves_twice_the_payload_with_equal_peers_and_balances_by_band
 
 
 def test_step_time_is_compute_bound_or_communication_bound():
-    constants = {"overhead": 1.0, "efficiency": 0.5, "matchmaking_share": 0.0}
+    constants = {"overhead": 1.0, "efficiency": 0.5, "matchmaking_share": 0.0, "round_trips": 0.0}
     fast_link = [Peer(10.0, 1000, 1000, 1)] * 2
     seconds, compute, communication = PLAN["step_seconds"](fast_link, 1_000_000, 400, constants)
     assert compute == pytest.approx(20.0) and seconds == pytest.approx(21.0) and communication < compute
@@ -44,9 +44,9 @@ def test_step_time_is_compute_bound_or_communication_bound():
 
 
 def test_calibration_recovers_constants_from_runs_it_made(tmp_path):
-    truth = {"overhead": 2.0, "efficiency": 0.5, "matchmaking_share": 0.3}
+    truth = {"overhead": 2.0, "efficiency": 0.5, "matchmaking_share": 0.3, "round_trips": 10.0}
     runs = []
-    for up, rate in ((20, 100.0), (5, 100.0), (1000, 20.0), (20, 5.0)):
+    for up, rate, one_way in ((20, 100.0, 25.0), (5, 100.0, 50.0), (1000, 20.0, 0.5), (20, 5.0, 12.5), (5, 50.0, 5)):
         run = {
             "model": "tiny",
             "parameters": 2_000_000,
@@ -56,7 +56,7 @@ def test_calibration_recovers_constants_from_runs_it_made(tmp_path):
                 f"trainer{i}": {
                     "up_mbit": up,
                     "down_mbit": 5 * up,
-                    "one_way_ms": 25.0,
+                    "one_way_ms": one_way,
                     "client": False,
                     "samples_per_compute_second": rate,
                 }

@@ -33,20 +33,21 @@ def test_butterfly_moves_twice_the_payload_with_equal_peers_and_balances_by_band
     assert PLAN["butterfly_seconds"]([Peer(1.0, 20, 100, 50)], payload) == 0.0
 
 
-def test_step_time_is_compute_bound_or_communication_bound():
-    constants = {"overhead": 1.0, "efficiency": 0.5, "matchmaking_share": 0.0, "round_trips": 0.0}
-    fast_link = [Peer(10.0, 1000, 1000, 1)] * 2
-    seconds, compute, communication = PLAN["step_seconds"](fast_link, 1_000_000, 400, constants)
-    assert compute == pytest.approx(20.0) and seconds == pytest.approx(21.0) and communication < compute
-    slow_link = [Peer(10.0, 1, 1, 1)] * 2
-    seconds, compute, communication = PLAN["step_seconds"](slow_link, 10_000_000, 400, constants)
-    assert communication > compute and seconds == pytest.approx(1.0 + communication)
+def test_step_time_adds_compute_protocol_and_bytes():
+    constants = {"overhead": 1.0, "per_peer": 2.0, "per_client": 3.0, "efficiency": 0.5}
+    peers = [Peer(10.0, 1, 1, 1)] * 2 + [Peer(10.0, 1, 1, 1, client=True)]
+    seconds, compute, communication = PLAN["step_seconds"](peers, 1_000_000, 300, constants)
+    moving = PLAN["butterfly_seconds"](peers, 2e6) * 2  # fp16 gradients and parameters, 2 bytes each
+    assert compute == pytest.approx(10.0)
+    assert communication == pytest.approx(1.0 + 2 * 2.0 + 3.0 + moving / 0.5)
+    assert seconds == pytest.approx(compute + communication)
 
 
 def test_calibration_recovers_constants_from_runs_it_made(tmp_path):
-    truth = {"overhead": 2.0, "efficiency": 0.5, "matchmaking_share": 0.3, "round_trips": 10.0}
+    truth = {"overhead": 2.0, "per_peer": 1.5, "per_client": 0.75, "efficiency": 0.5}
     runs = []
-    for up, rate, one_way in ((20, 100.0, 25.0), (5, 100.0, 50.0), (1000, 20.0, 0.5), (20, 5.0, 12.5), (5, 50.0, 5)):
+    # (trainers, of them in client mode, upload Mbit/s, samples/s each): peer counts, clients and links vary
+    for trainers, clients, up, rate in ((2, 0, 20, 100.0), (3, 1, 5, 100.0), (4, 0, 1000, 20.0), (3, 0, 2, 50.0)):
         run = {
             "model": "tiny",
             "parameters": 2_000_000,
@@ -56,11 +57,11 @@ def test_calibration_recovers_constants_from_runs_it_made(tmp_path):
                 f"trainer{i}": {
                     "up_mbit": up,
                     "down_mbit": 5 * up,
-                    "one_way_ms": one_way,
-                    "client": False,
+                    "one_way_ms": 25.0,
+                    "client": i >= trainers - clients,
                     "samples_per_compute_second": rate,
                 }
-                for i in range(3)
+                for i in range(trainers)
             },
         }
         run["seconds_per_step"] = PLAN["predict_run"](run, truth)

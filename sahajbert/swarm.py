@@ -91,7 +91,6 @@ _STARTUP_ADVICE = _StartupAdvice()
 def quiet_hivemind(verbose: bool) -> None:
     """hivemind's INFO lines and start-up advice go to the terminal only with --verbose; warnings and errors always."""
     logging.getLogger("hivemind").setLevel(logging.INFO if verbose else logging.WARNING)
-
     matchmaking = logging.getLogger("hivemind.averaging.matchmaking")
     matchmaking.removeFilter(_STARTUP_ADVICE)
     if not verbose:
@@ -106,7 +105,7 @@ def build_dht(
     check_identity_path(swarm_args.identity_path)
     check_ports_free(swarm_args.host_maddrs)
     quiet_hivemind(swarm_args.verbose)
-    relays = validate_initial_peers(swarm_args.relays, "--relays") or peers
+    relays = relays_of(swarm_args, peers)
     relaying = compat.relay_options(swarm_args.auto_relay, relays, swarm_args.reachability, swarm_args.client_mode)
     compat.set_daemon_flags(**relaying["daemon"])
     try:
@@ -160,9 +159,10 @@ def public_ip(maddr: str) -> bool:
     return False
 
 
-def relays_of(swarm_args: SwarmArguments) -> list[str]:
-    """The peers that relay for this one: --relays, else the initial peers."""
-    return validate_initial_peers(swarm_args.relays, "--relays") or list(swarm_args.initial_peers)
+def relays_of(swarm_args: SwarmArguments, initial_peers: list[str] | None = None) -> list[str]:
+    """The peers that relay for this one: --relays, else the initial peers (`initial_peers` when given)."""
+    peers = swarm_args.initial_peers if initial_peers is None else initial_peers
+    return validate_initial_peers(swarm_args.relays, "--relays") or list(peers)
 
 
 def reachability(dht: hivemind.DHT, swarm_args: SwarmArguments, wait: float = RELAY_WAIT) -> Reachability:

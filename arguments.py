@@ -7,13 +7,14 @@ settings `.json` file of these fields before its flags, which override it.
 
 | group | what it sets | scripts |
 |---|---|---|
-| SwarmArguments | run id, initial peers, addresses, identity, client mode | first peer, trainer, aux peer |
+| SwarmArguments | run id, initial peers, addresses, identity, NAT, invite | first peer, trainer, aux peer |
 | AveragingArguments | matchmaking, timeouts, group, bandwidth, compression, final round | trainer, aux peer |
 | CollaborativeOptimizerArguments | target batch, delayed updates, state averaging, progress | trainer, aux peer |
 | ModelArguments | the model preset or config | trainer, aux peer |
 | LocalTrainingArguments | batch, LAMB and schedule, precision, device, checkpoints | trainer, aux peer |
 | CorpusArguments | sources or files, sequence length, masking, tokenizer | trainer, aux, tokenizer, preview |
 | PeerArguments | all six groups above together: what a trainer and the aux peer are built from | trainer, aux peer |
+| AuthorityArguments | an invite-only run's allowlist and token lifetime | first peer |
 | TrainerScriptArguments | --auto_config, --check | trainer |
 | AuxPeerArguments | monitor, checkpoints, wandb, Hub upload, assist, rescue, dashboard | aux peer |
 | LocalSwarmArguments | the demo swarm | run_local_swarm.py |
@@ -24,6 +25,7 @@ settings `.json` file of these fields before its flags, which override it.
 """
 
 from sahajbert.arguments import (
+    AuthorityArguments,
     AuxPeerArguments,
     AveragingArguments,
     CollaborativeOptimizerArguments,
@@ -42,6 +44,7 @@ from sahajbert.arguments import (
 )
 
 __all__ = [
+    "AuthorityArguments",
     "AuxPeerArguments",
     "AveragingArguments",
     "CollaborativeOptimizerArguments",
@@ -59,7 +62,7 @@ __all__ = [
     "TrainerScriptArguments",
 ]
 # the groups of our own flags, in the order of the table above (transformers documents its own training flags)
-OWN_GROUPS = [*PeerArguments.GROUPS, TrainerScriptArguments, AuxPeerArguments, LocalSwarmArguments]
+OWN_GROUPS = [*PeerArguments.GROUPS, AuthorityArguments, TrainerScriptArguments, AuxPeerArguments, LocalSwarmArguments]
 OWN_GROUPS += [TokenizerTrainingArguments, PreviewArguments, FinetuneArguments, EvaluationArguments]
 
 

@@ -3,17 +3,21 @@
 
 1. samples/s of a plain PyTorch loop (same model, batch, LAMB and data, no hivemind) vs one trainer alone in
    its swarm (run_trainer.py: hivemind.Optimizer, offloading, progress reports, metrics);
-2. the time per global step with 1 and 2 trainer peers (same target batch size).
+2. the time per global step with 1 and 2 trainer peers (same target batch size);
+3. the same 2 peers in an invite-only run (every DHT request signed and checked, every averaging call gated).
 Each trainer is a real process; every process shares this machine's cores, so 2 peers get one core each.
 """
 
 import argparse
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from sahajbert.access import add_invite
+from sahajbert.arguments import CorpusArguments
 from sahajbert.collators import PretrainingCollator
 from sahajbert.localswarm import PeerProcess, start_first_peer, tiny_trainer_flags
 from sahajbert.model import build_model
@@ -32,14 +36,7 @@ def plain_loop(args, threads: int) -> float:
     tokenizer = load_tokenizer(SAMPLE_TOKENIZER)
     model = build_model(args.model, tokenizer, seed=0)
     optimizer = Lamb(parameter_groups(model, 0.01), lr=0.001, clamp_value=10_000.0)
-    corpus = argparse.Namespace(
-        sources=[],
-        source_probabilities=None,
-        data_files=SAMPLE_FILES,
-        shuffle_buffer=200,
-        max_seq_length=args.max_seq_length,
-        short_seq_prob=0.1,
-    )
+    corpus = CorpusArguments(data_files=SAMPLE_FILES, shuffle_buffer=200, max_seq_length=args.max_seq_length)
     collator = PretrainingCollator.from_tokenizer(tokenizer, seed=0, pad_to_multiple_of=8)
     batches = Prefetcher(batched(iterate_examples(corpus, tokenizer, seed=0), args.batch_size, collator))
     for i in range(args.warmup + args.batches):
@@ -52,10 +49,18 @@ def plain_loop(args, threads: int) -> float:
     return args.batches * args.batch_size / (time.perf_counter() - start)
 
 
-def swarm(args, workdir: Path, peers: int) -> tuple[float, float]:
+def swarm(args, workdir: Path, peers: int, invite_only: bool = False) -> tuple[float, float]:
     """(samples/s of one trainer, seconds per global step) for `peers` trainers, measured after step 1."""
-    run_id = f"bench{peers}"
-    first_peer, initial_peers = start_first_peer(REPO / "run_first_peer.py", workdir / run_id, run_id)
+    run_id = f"bench{peers}" + ("invited" if invite_only else "")
+    (workdir / run_id).mkdir(parents=True)
+    extra, invites = [], [[] for _ in range(peers)]
+    if invite_only:
+        allowlist = workdir / run_id / "allow.txt"
+        invites = [
+            ["--invite", f"{i.name}:{i.secret}"] for i in (add_invite(allowlist, f"v{n}") for n in range(peers))
+        ]
+        extra = ["--allowlist", str(allowlist), "--identity_path", str(workdir / run_id / "first.id")]
+    first_peer, initial_peers = start_first_peer(REPO / "run_first_peer.py", workdir / run_id, run_id, extra)
     trainers = []
     try:
         for i in range(peers):
@@ -71,7 +76,7 @@ def swarm(args, workdir: Path, peers: int) -> tuple[float, float]:
             trainers.append(
                 PeerProcess(
                     REPO / "run_trainer.py",
-                    ["--run_id", run_id, "--initial_peers", *initial_peers, *flags],
+                    ["--run_id", run_id, "--initial_peers", *initial_peers, *flags, *invites[i]],
                     workdir / run_id / f"trainer{i}.log",
                 )
             )
@@ -94,13 +99,19 @@ def main(argv=None) -> int:
     parser.add_argument("--batch_size", type=int, default=16, help="examples per forward/backward")
     parser.add_argument("--target_batch_size", type=int, default=1024, help="samples per global step")
     parser.add_argument("--steps", type=int, default=6, help="global steps per swarm run")
+    parser.add_argument("--repeats", type=int, default=3, help="2-peer runs of each kind, open and invite-only")
     parser.add_argument("--batches", type=int, default=150, help="measured batches of the plain loop")
     parser.add_argument("--warmup", type=int, default=5, help="unmeasured batches of the plain loop")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         plain = plain_loop(args, threads=1)  # each trainer process also computes with one thread
         alone, step_1 = swarm(args, Path(tmp), peers=1)
-        _, step_2 = swarm(args, Path(tmp), peers=2)
+        # open and invite-only alternate, so that both see the same drift of this machine's load
+        open_steps, invited_steps = [], []
+        for repeat in range(args.repeats):
+            open_steps.append(swarm(args, Path(tmp) / f"r{repeat}", peers=2)[1])
+            invited_steps.append(swarm(args, Path(tmp) / f"r{repeat}", peers=2, invite_only=True)[1])
+        step_2, step_invited = statistics.median(open_steps), statistics.median(invited_steps)
     print(
         f"\nmodel={args.model}, seq={args.max_seq_length}, batch={args.batch_size}, "
         f"target batch={args.target_batch_size}, 1 thread per process\n"
@@ -109,7 +120,15 @@ def main(argv=None) -> int:
     print(f"| plain PyTorch loop, samples/s | {plain:.1f} | 1.00 |")
     print(f"| one trainer alone in its swarm, samples/s | {alone:.1f} | {alone / plain:.2f} |")
     print(f"| seconds per global step, 1 peer | {step_1:.2f} | 1.00 |")
-    print(f"| seconds per global step, 2 peers | {step_2:.2f} | {step_2 / step_1:.2f} |")
+    print(f"| seconds per global step, 2 peers (median of {args.repeats}) | {step_2:.2f} | {step_2 / step_1:.2f} |")
+    print(
+        f"| seconds per global step, 2 peers, invite-only (median of {args.repeats}) | {step_invited:.2f} | "
+        f"{step_invited / step_1:.2f} |"
+    )
+    print(
+        f"\n2 peers, open: {' '.join(f'{s:.2f}' for s in open_steps)} s; invite-only: "
+        f"{' '.join(f'{s:.2f}' for s in invited_steps)} s (run by run)"
+    )
     return 0
 
 

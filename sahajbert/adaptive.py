@@ -94,7 +94,10 @@ def _later_rate(arrivals: list[tuple[float, int]]) -> tuple[float, float]:
 
 
 async def _register(_dht, node) -> None:
-    await node.p2p.add_binary_stream_handler(PROBE_PROTOCOL, _serve)
+    # an invite-only run's DHT (sahajbert.access.InviteAuthorizer) serves the probe to its members only
+    authorizer = compat.dht_authorizer(node)
+    serve = authorizer.members_only(node, _serve) if hasattr(authorizer, "members_only") else _serve
+    await node.p2p.add_binary_stream_handler(PROBE_PROTOCOL, serve)
 
 
 def serve_link_probe(dht: hivemind.DHT) -> None:
@@ -105,7 +108,10 @@ def serve_link_probe(dht: hivemind.DHT) -> None:
 
 async def _measure(_dht, node, peer_id: PeerID, seconds: float) -> LinkEstimate:
     """Round trip, upload and download against `peer_id`."""
-    p2p = node.p2p
+    return await compat.kept_alive(_measure_now(node.p2p, peer_id, seconds))
+
+
+async def _measure_now(p2p, peer_id: PeerID, seconds: float) -> LinkEstimate:
     pings = []
     for _ in range(PROBE_PINGS + 1):
         _, reader, writer = await p2p.call_binary_stream_handler(peer_id, PROBE_PROTOCOL)
@@ -150,7 +156,7 @@ def measure_link(
 ) -> tuple[LinkEstimate, PeerID] | tuple[None, None]:
     """Measure this peer's link against the first initial peer that answers the probe: (estimate, that peer)."""
     deadline = time.monotonic() + PROBE_TIMEOUT
-    for peer_id in dict.fromkeys(_peer_ids(initial_peers)):
+    for peer_id in dict.fromkeys(peer_ids(initial_peers)):
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             break
@@ -197,7 +203,8 @@ class LinkWatch:
             return None
 
 
-def _peer_ids(maddrs: list[str]) -> list[PeerID]:
+def peer_ids(maddrs: list[str]) -> list[PeerID]:
+    """The /p2p/ peer ids that multiaddrs name, in order."""
     ids = []
     for maddr in maddrs:
         value = Multiaddr(maddr).value_for_protocol("p2p")

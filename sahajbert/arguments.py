@@ -165,6 +165,13 @@ class SwarmArguments:
             "choices": ["auto", "public", "private"],
         },
     )
+    invite: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "NAME:SECRET for an invite-only run, as the organizer sent it: the first peer then grants this "
+            "peer a short-lived access token, renewed in the background (see README, Invite-only runs)."
+        },
+    )
     use_ipfs: bool = field(default=False, metadata={"help": "Also find peers through the public IPFS DHT."})
     join_timeout: float = field(
         default=60.0, metadata={"help": "Seconds to wait for the initial peers to answer before giving up."}
@@ -173,6 +180,36 @@ class SwarmArguments:
         default=False,
         metadata={"help": "Also show hivemind's own INFO lines (matchmaking, progress refreshes, start-up notes)."},
     )
+
+
+@dataclass
+class AuthorityArguments:
+    """An invite-only run: the first peer admits only the volunteers of its allowlist."""
+
+    TITLE: ClassVar[str] = "invite-only"
+
+    allowlist: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "File of 'NAME SECRET' lines: only these volunteers may join (each passes --invite NAME:SECRET). "
+            "Read again whenever it changes; a name removed from it is out within one --token_lifetime."
+        },
+    )
+    token_lifetime: float = field(
+        default=600.0,
+        metadata={"help": "Seconds an access token is valid; peers renew theirs at half of it."},
+    )
+    add_invite: Optional[str] = field(
+        default=None,
+        metadata={"help": "Add NAME with a random secret to --allowlist, print the --invite to send them, and exit."},
+    )
+
+    def __post_init__(self):
+        # peers renew at half the lifetime, and a renewal must reach the first peer and come back before it ends
+        if self.token_lifetime < 10:
+            raise ValueError(f"--token_lifetime must be at least 10 seconds, got {self.token_lifetime}")
+        if self.add_invite is not None and self.allowlist is None:
+            raise ValueError("--add_invite needs --allowlist FILE (the file the name is added to)")
 
 
 @dataclass

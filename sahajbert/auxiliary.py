@@ -91,7 +91,12 @@ class AuxPeer(SwarmPeer):
             # and the same timing rule: an assisting aux peer reduces a share of every all-reduce by its bandwidth
             timing, _, _ = adaptive.tune(peer_args, self.dht, sum(p.numel() for p in self.model.parameters()))
             self.optimizer = build_collaborative_optimizer(
-                self.model, self.dht, peer_args, auxiliary=aux_args.assist_in_averaging, timing=timing
+                self.model,
+                self.dht,
+                peer_args,
+                auxiliary=aux_args.assist_in_averaging,
+                timing=timing,
+                gate=self.gate,
             )
             if aux_args.initial_state is not None:
                 self._serve_initial_state(aux_args.initial_state)
@@ -130,6 +135,7 @@ class AuxPeer(SwarmPeer):
         """Until a stop is requested: assist averaging, announce a served state, and every --refresh_period read
         the swarm's metrics, log and chart them, checkpoint the swarm's state and upload it."""
         while not stop:
+            self.check_access()
             if self.aux_args.assist_in_averaging:
                 self.optimizer.step()  # joins the all-reduce rounds of global steps as an auxiliary (no samples)
             now = time.time()

@@ -8,16 +8,20 @@ round. Each function says what it relies on. After a hivemind upgrade, check the
 `tests/test_stopping.py` runs them against stand-ins shaped like these internals.
 """
 
+import asyncio
 import re
 import time
 from dataclasses import dataclass
 from functools import partial
+from typing import AsyncIterator  # noqa: UP035 hivemind's servicer finds streaming RPCs by typing's _name
 
 import hivemind
 import torch
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.optim.grad_averager import GradientAverager
-from hivemind.p2p import PeerID
+from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 
 CHECKED_VERSION = "1.1.12"
@@ -99,10 +103,10 @@ def set_bandwidth(optimizer: hivemind.Optimizer, mbit: float) -> None:
             averager.bandwidth = mbit
 
 
-def gradient_averager_factory(**averager_opts):
+def gradient_averager_factory(gate=None, **averager_opts):
     """hivemind 1.1.x gives `averager_opts` to the state averager only: the gradient averager, made by this factory
-    (the documented `grad_averager_factory`), gets the same bandwidth and group size."""
-    return partial(GradientAverager, **averager_opts) if averager_opts else None
+    (the documented `grad_averager_factory`), gets the same bandwidth and group size, and the access gate."""
+    return partial(GuardedGradientAverager, gate=gate, **averager_opts)
 
 
 def set_state_priority(optimizer: hivemind.Optimizer, priority: float) -> None:
@@ -282,7 +286,12 @@ def set_daemon_flags(**flags) -> None:
         original = P2P._make_process_args
 
         def make_process_args(*args, **kwargs):
-            return original(*args, **{**kwargs, **_DAEMON_FLAGS})
+            flags = dict(_DAEMON_FLAGS)
+            if "trustedRelays" not in kwargs:
+                # a daemon started without the relays (P2P.is_identity_taken's probe, with --identity_path): p2pd
+                # refuses autoRelay with neither relay discovery nor trusted relays
+                flags.pop("relayDiscovery", None)
+            return original(*args, **{**kwargs, **flags})
 
         make_process_args._sahajbert = True
         P2P._make_process_args = staticmethod(make_process_args)
@@ -312,3 +321,149 @@ def relay_options(auto_relay: bool, relays: list[str], reachability: str, client
         options.update(use_auto_relay=True, trusted_relays=list(relays))
         flags["relayDiscovery"] = False
     return {"dht": options, "daemon": flags}
+
+
+# tasks of ours running in the DHT process, held until done (see kept_alive)
+_KEPT: set = set()
+
+
+async def kept_alive(coroutine):
+    """Await `coroutine` as a task this module holds. hivemind's DHT process runs each `run_coroutine` call in a task
+    that nothing references, and asyncio's client streams hold their reader weakly: a call waiting on a p2p stream
+    can be garbage-collected mid-wait (GeneratorExit in the DHT process; the caller's future never resolves)."""
+    task = asyncio.ensure_future(coroutine)
+    _KEPT.add(task)
+    task.add_done_callback(_KEPT.discard)
+    return await task
+
+
+# ---- invite-only runs (sahajbert.access) ----
+
+
+def identity_key(identity_path: str):
+    """A peer identity file's RSA key as hivemind's RSAPrivateKey (built through its pickling state, the one way
+    hivemind loads an existing key: `__setstate__` with the DER bytes `to_bytes` writes)."""
+    from hivemind.proto import crypto_pb2
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    with open(identity_path, "rb") as f:
+        der = crypto_pb2.PrivateKey.FromString(f.read()).data
+    key = RSAPrivateKey.__new__(RSAPrivateKey)
+    key.__setstate__({"_private_key": der})
+    return key
+
+
+def peer_id_of_public_key(public_key) -> PeerID:
+    """libp2p's peer id of an RSA key (hivemind.RSAPublicKey): sha2-256 multihash of its PublicKey protobuf, the
+    rule hivemind's PeerID.from_identity applies to a private key."""
+    import hashlib
+
+    import multihash
+    from cryptography.hazmat.primitives import serialization
+    from hivemind.proto import crypto_pb2
+
+    der = public_key._public_key.public_bytes(
+        encoding=serialization.Encoding.DER, format=serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
+    return PeerID(multihash.encode(hashlib.sha256(encoded).digest(), multihash.coerce_code("sha2-256")))
+
+
+def dht_authorizer(node):
+    """The authorizer a DHT node checks requests with (`node.protocol.authorizer`), inside the DHT process."""
+    return node.protocol.authorizer
+
+
+class GuardedAverager:
+    """Averaging RPCs only for callers that `gate` admits (sahajbert.access.Gate); mixed into hivemind's averagers.
+
+    hivemind's averaging messages carry no token: the caller's libp2p peer id (`context.remote_id`, authenticated by
+    the transport) is what is checked. Handlers keep hivemind's names (`_get_handle_name` of the hivemind class), so
+    a plain hivemind averager reaches these guarded handlers too, and peers of this code find each other. Each
+    class collects its own handlers (`_rpc_handlers` / `_stub_type` are cached per class, and inherited if unset).
+    """
+
+    gate = None  # None: an open run, every caller is served
+    _rpc_handlers = None
+    _stub_type = None
+    _hivemind_class: type
+
+    def __init__(self, *args, gate=None, **kwargs):
+        self.gate = gate  # before hivemind starts the averager's process, which gets a copy of it
+        super().__init__(*args, **kwargs)
+
+    @classmethod
+    def _get_handle_name(cls, namespace, method_name: str) -> str:
+        return cls._hivemind_class._get_handle_name(namespace, method_name)
+
+    async def _admits(self, context) -> bool:
+        if self.gate is None:
+            return True
+
+        def read():
+            # from a worker thread: an MPFuture made in this process's event loop outlives it when the averager
+            # stops mid-read, and then fails to wake the closed loop ("Event loop is closed" at exit)
+            return asyncio.get_running_loop().run_in_executor(None, partial(self.dht.get, self.gate.key, latest=True))
+
+        return await self.gate.admits(context.remote_id, read)
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if not await self._admits(context):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in super().rpc_join_group(request, context):
+            yield message
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        if not await self._admits(context):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in super().rpc_aggregate_part(stream, context):
+            yield message
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        if not await self._admits(context):
+            return  # what hivemind answers when it does not share its state: the caller tries the next peer
+        async for message in super().rpc_download_state(request, context):
+            yield message
+
+
+class GuardedGradientAverager(GuardedAverager, GradientAverager):
+    _hivemind_class = GradientAverager
+
+
+class GuardedStateAverager(GuardedAverager, TrainingStateAverager):
+    _hivemind_class = TrainingStateAverager
+
+
+class GuardedOptimizer(hivemind.Optimizer):
+    """hivemind.Optimizer whose state averager is guarded; its gradient averager comes from
+    `gradient_averager_factory`. `_make_state_averager` repeats hivemind 1.1.12's own arguments."""
+
+    def __init__(self, *args, gate=None, **kwargs):
+        self._gate = gate
+        super().__init__(*args, **kwargs)
+
+    def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
+        return GuardedStateAverager(
+            gate=self._gate,
+            dht=self.dht,
+            prefix=f"{self.run_id}_state_averager",
+            min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout,
+            shutdown_timeout=self.shutdown_timeout,
+            offload_optimizer=self.offload_optimizer,
+            custom_gradients=self.offload_optimizer,
+            status_loglevel=self.status_loglevel,
+            next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode,
+            auxiliary=self.auxiliary,
+            start=True,
+            **kwargs,
+        )

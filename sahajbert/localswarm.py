@@ -137,14 +137,17 @@ def wait_for(condition, timeout: float, what: str, interval: float = 0.5):
     raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def start_first_peer(script: str | Path, log_dir: Path, run_id: str) -> tuple[PeerProcess, list[str]]:
-    """Start `script` (run_first_peer.py) on loopback and return it with the multiaddrs others join through."""
-    peer = PeerProcess(script, ["--run_id", run_id, *LOOPBACK], Path(log_dir) / "first_peer.log")
+def start_first_peer(
+    script: str | Path, log_dir: Path, run_id: str, extra: list[str] = ()
+) -> tuple[PeerProcess, list[str]]:
+    """Start `script` (run_first_peer.py) on loopback, with `extra` flags, and return it with the multiaddrs others
+    join through."""
+    peer = PeerProcess(script, ["--run_id", run_id, *LOOPBACK, *extra], Path(log_dir) / "first_peer.log")
 
     def address():
         for line in peer.output().splitlines():
             if "--initial_peers " in line:
-                return line.split("--initial_peers ", 1)[1].split()
+                return [word for word in line.split("--initial_peers ", 1)[1].split() if word.startswith("/")]
         if not peer.running():
             raise RuntimeError(f"the first peer exited:\n{peer.output()[-3000:]}")
         return None

@@ -25,6 +25,8 @@ class MetricSchema(pydantic.BaseModel):
     # global step of a state an aux peer serves (--initial_state). hivemind publishes no progress for peers that
     # accumulate no samples, so without this a trainer joining a rescued run could not know that it is behind.
     state: dict[BytesWithPublicKey, pydantic.conint(ge=0, strict=True)]
+    # an invite-only run's access tokens (sahajbert.access): averagers admit the peers these name
+    members: dict[BytesWithPublicKey, pydantic.StrictBytes]
 
 
 def metrics_key(run_id: str) -> str:

@@ -120,11 +120,13 @@ def build_collaborative_optimizer(
     auxiliary: bool = False,
     batch_size_per_step: int | None = None,
     timing: Timing | None = None,
+    gate=None,
 ) -> hivemind.Optimizer:
     """hivemind.Optimizer over LAMB, scheduled by the GLOBAL step (hivemind steps the scheduler per epoch).
 
     `batch_size_per_step`: samples one optimizer.step() reports (default: batch x accumulation on one device).
     `timing`: from sahajbert.adaptive.tune (default: planned without a measured link).
+    `gate`: in an invite-only run, the sahajbert.access.Gate whose members alone may call this peer's averagers.
     """
     swarm_args, averaging_args = peer_args.swarm_args, peer_args.averaging_args
     optimizer_args, training_args = peer_args.optimizer_args, peer_args.training_args
@@ -154,7 +156,8 @@ def build_collaborative_optimizer(
         averager_opts["target_group_size"] = averaging_args.target_group_size
     if not auxiliary and batch_size_per_step is None:
         batch_size_per_step = training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
-    return hivemind.Optimizer(
+    return compat.GuardedOptimizer(
+        gate=gate,
         dht=dht,
         run_id=swarm_args.run_id,
         target_batch_size=optimizer_args.target_batch_size - optimizer_args.batch_size_lead,
@@ -181,7 +184,7 @@ def build_collaborative_optimizer(
         averager_opts=averager_opts or None,
         grad_averager_factory=None
         if optimizer_args.use_local_updates
-        else compat.gradient_averager_factory(**averager_opts),
+        else compat.gradient_averager_factory(gate, **averager_opts),
         tracker_opts={
             "metadata_expiration": optimizer_args.metadata_expiration,
             "max_refresh_period": timing.max_refresh_period,

@@ -130,12 +130,23 @@ def check_reachability(reach) -> Check:
     )
 
 
+# an invite-only run: what a volunteer without a valid invite does
+INVITE_FIX = "pass --invite NAME:SECRET exactly as the organizer sent it (ask them for one if you have none)"
+
+
 def run_checks(peer_args: PeerArguments) -> list[Check]:
     """All checks, in the order a volunteer would fix them."""
     swarm_args, training_args = peer_args.swarm_args, peer_args.training_args
     import hivemind
 
-    from sahajbert.swarm import UNREACHABLE_FIX, build_dht, quiet_hivemind, reachability, validate_initial_peers
+    from sahajbert.swarm import (
+        UNREACHABLE_FIX,
+        admission,
+        build_dht,
+        quiet_hivemind,
+        reachability,
+        validate_initial_peers,
+    )
 
     quiet_hivemind(swarm_args.verbose)  # the checklist is the output: hivemind's INFO lines only with --verbose
 
@@ -170,8 +181,16 @@ def run_checks(peer_args: PeerArguments) -> list[Check]:
         ]
     started = time.monotonic()
     try:
-        dht = build_dht(swarm_args)
+        swarm_args, membership = admission(swarm_args)
     except UserError as e:
+        return checks + [Check("invite", "fail", str(e), INVITE_FIX)]
+    if membership is not None:
+        checks.append(Check("invite", "ok", f"'{membership.invite.name}' accepted by the organizer's peer"))
+    try:
+        dht = build_dht(swarm_args, authorizer=membership.authorizer if membership is not None else None)
+    except UserError as e:
+        if "invite-only" in str(e):
+            return checks + [Check("invite", "fail", str(e), INVITE_FIX)]
         detail = str(e).split(f". {UNREACHABLE_FIX}")[0]  # the fix has its own line
         return checks + [Check("initial peers answer", "fail", detail, UNREACHABLE_FIX)]
     try:

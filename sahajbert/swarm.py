@@ -13,8 +13,8 @@ from pathlib import Path
 import hivemind
 from hivemind.utils.multiaddr import Multiaddr
 
+from sahajbert import access, metrics
 from sahajbert import hivemind_compat as compat
-from sahajbert import metrics
 from sahajbert.adaptive import serve_link_probe
 from sahajbert.arguments import SwarmArguments
 from sahajbert.cli import UserError
@@ -88,6 +88,20 @@ class _StartupAdvice(logging.Filter):
 _STARTUP_ADVICE = _StartupAdvice()
 
 
+class _GoneCaller(logging.Filter):
+    """A request to the DHT process carries its reply channel (hivemind's MPFuture), which the DHT process fetches
+    from the sending process: when that process (an averager at shutdown) has exited first, the DHT logs the failed
+    fetch as an error with a traceback. The request's sender is gone, so nothing is lost."""
+
+    GONE = (FileNotFoundError, ConnectionResetError, ConnectionRefusedError, EOFError)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.funcName == "_run" and record.exc_info and issubclass(record.exc_info[0], self.GONE))
+
+
+_GONE_CALLER = _GoneCaller()
+
+
 def quiet_hivemind(verbose: bool) -> None:
     """hivemind's INFO lines and start-up advice go to the terminal only with --verbose; warnings and errors always."""
     logging.getLogger("hivemind").setLevel(logging.INFO if verbose else logging.WARNING)
@@ -95,12 +109,17 @@ def quiet_hivemind(verbose: bool) -> None:
     matchmaking.removeFilter(_STARTUP_ADVICE)
     if not verbose:
         matchmaking.addFilter(_STARTUP_ADVICE)
+    dht_process = logging.getLogger("hivemind.dht.dht")
+    dht_process.removeFilter(_GONE_CALLER)
+    dht_process.addFilter(_GONE_CALLER)
 
 
 def build_dht(
-    swarm_args: SwarmArguments, record_validators=(), initial_peers: list[str] | None = None
+    swarm_args: SwarmArguments, record_validators=(), initial_peers: list[str] | None = None, authorizer=None
 ) -> hivemind.DHT:
-    """Start this peer's DHT node; an unreachable swarm is a UserError after --join_timeout seconds."""
+    """Start this peer's DHT node; an unreachable swarm is a UserError after --join_timeout seconds.
+
+    `authorizer`: an invite-only run's sahajbert.access.InviteAuthorizer (see `admission`)."""
     peers = validate_initial_peers(swarm_args.initial_peers if initial_peers is None else initial_peers)
     check_identity_path(swarm_args.identity_path)
     check_ports_free(swarm_args.host_maddrs)
@@ -119,12 +138,17 @@ def build_dht(
             use_ipfs=swarm_args.use_ipfs,
             identity_path=swarm_args.identity_path,
             record_validators=list(record_validators),
+            authorizer=authorizer,
             **relaying["dht"],
         )
     except TimeoutError as e:
         raise UserError(f"no initial peer answered within {swarm_args.join_timeout:.0f} s: {' '.join(peers)}") from e
     except Exception as e:
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "bootstrap" in message and authorizer is None and access.runs_authority(peers):
+            raise UserError(
+                "this run is invite-only: add --invite NAME:SECRET as the organizer sent it (ask them for one)"
+            ) from e
         if "bootstrap" in message:  # the p2p daemon: "failed to connect to bootstrap peers", "bootstrap failed"
             raise UserError(f"none of the initial peers answered: {' '.join(peers)}. {UNREACHABLE_FIX}") from e
         raise UserError(f"could not join the swarm: {message}") from e
@@ -188,6 +212,16 @@ def reachability(dht: hivemind.DHT, swarm_args: SwarmArguments, wait: float = RE
         time.sleep(1.0)
 
 
+def admission(swarm_args: SwarmArguments) -> tuple[SwarmArguments, "access.SwarmAccess | None"]:
+    """With --invite: this peer's identity (a temporary one without --identity_path) and its access token, asked
+    of the initial peers; a refused invite is a UserError. Without: the arguments as they are, and None."""
+    if not swarm_args.invite:
+        return swarm_args, None
+    quiet_hivemind(swarm_args.verbose)
+    swarm_args = access.ensure_identity(swarm_args)
+    return swarm_args, access.SwarmAccess.join(swarm_args)
+
+
 def initial_peers_line(dht: hivemind.DHT) -> str:
     """The exact flag other peers pass to join: every visible address of this peer, loopback last."""
     maddrs = [str(m) for m in dht.get_visible_maddrs()]
@@ -202,11 +236,14 @@ class SwarmPeer:
     """
 
     optimizer: hivemind.Optimizer | None = None
+    access: "access.SwarmAccess | None" = None
 
     def _join(self, swarm_args: SwarmArguments) -> None:
         """Start this peer's DHT node with the run's record validators (its metrics are signed with its key)."""
         validators, self.public_key = metrics.make_validators(swarm_args.run_id)
-        self.dht = build_dht(swarm_args, validators)
+        swarm_args, self.access = admission(swarm_args)
+        authorizer = self.access.authorizer if self.access is not None else None
+        self.dht = build_dht(swarm_args, validators, authorizer=authorizer)
         logger.info(f"joined the swarm as peer {self.dht.peer_id}")
         self.reachability = reachability(self.dht, swarm_args)
         if self.reachability.kind == "relayed":
@@ -219,8 +256,24 @@ class SwarmPeer:
             )
             self.dht.shutdown()
             swarm_args = dataclasses.replace(swarm_args, client_mode=True)
-            self.dht = build_dht(swarm_args, validators)
+            self.dht = build_dht(swarm_args, validators, authorizer=authorizer)
             self.reachability = Reachability("client")
+        if self.access is not None:
+            self.access.start(self.dht, self.public_key)
+
+    @property
+    def gate(self):
+        """Who may call this peer's averagers: an invite-only run's members (None: anyone)."""
+        return self.access.gate if self.access is not None else None
+
+    @property
+    def access_lost(self) -> bool:
+        return self.access is not None and self.access.failure is not None
+
+    def check_access(self) -> None:
+        """Leave with one line once this peer's invite could not be renewed."""
+        if self.access is not None:
+            self.access.check()
 
     def __enter__(self):
         return self
@@ -229,6 +282,8 @@ class SwarmPeer:
         self.close()
 
     def close(self) -> None:
+        if self.access is not None:
+            self.access.stop()
         with ignoring_signals():
             if self.optimizer is not None:
                 self.optimizer.shutdown()

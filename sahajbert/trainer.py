@@ -102,7 +102,12 @@ class TrainerPeer(SwarmPeer):
             self.timing, self.link, self.link_watch = adaptive.tune(peer_args, self.dht, parameters)
             self.rounds = adaptive.RoundMonitor(swarm_args.verbose).attach()
             self.optimizer = build_collaborative_optimizer(
-                self.model, self.dht, peer_args, batch_size_per_step=self.samples_per_pass, timing=self.timing
+                self.model,
+                self.dht,
+                peer_args,
+                batch_size_per_step=self.samples_per_pass,
+                timing=self.timing,
+                gate=self.gate,
             )
             # at step 0, the peer that started first is every newcomer's donor: all start from its parameters
             self.start_priority = start_priority(time.time())
@@ -184,7 +189,8 @@ class TrainerPeer(SwarmPeer):
         self.good_state.save()
         self.stop = stop
         try:
-            while not (stop or self._should_stop()):
+            # an invite the organizer no longer renews ends this peer's part: checkpoint, then leave with one line
+            while not (stop or self._should_stop() or self.access_lost):
                 pass_loss = self._forward_backward()
                 if pass_loss is None:
                     continue  # non-finite loss or gradients: this pass was dropped, nothing was sent
@@ -200,7 +206,9 @@ class TrainerPeer(SwarmPeer):
                 self._watch_link()
         except StopNow:
             pass  # stopped while waiting for the stream's next batch
-        return self._finish(stopped=bool(stop))
+        result = self._finish(stopped=bool(stop) or self.access_lost)
+        self.check_access()
+        return result
 
     def _should_stop(self) -> bool:
         return should_stop(compat.position(self.optimizer), self.args.training_args.max_steps)

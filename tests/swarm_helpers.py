@@ -32,9 +32,9 @@ def script(name: str) -> Path:
     return ROOT / name
 
 
-def first_peer(log_dir: Path, run_id: str) -> tuple[PeerProcess, list[str]]:
-    """run_first_peer.py on loopback, and the multiaddrs others join through."""
-    return start_first_peer(script("run_first_peer.py"), log_dir, run_id)
+def first_peer(log_dir: Path, run_id: str, extra: list[str] = ()) -> tuple[PeerProcess, list[str]]:
+    """run_first_peer.py on loopback (with `extra` flags), and the multiaddrs others join through."""
+    return start_first_peer(script("run_first_peer.py"), log_dir, run_id, extra)
 
 
 def last_step(output_dir: Path) -> int:

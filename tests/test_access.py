@@ -1,0 +1,196 @@
+"""Invite-only runs for real: an allowlisting first peer, invited trainers, outsiders, a forged, a stolen and a
+replayed token, and a revoked member, each a real hivemind peer in its own process."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from sahajbert.access import Allowlist, Authority, add_invite, parse_invite, read_allowlist, token_valid
+from sahajbert.cli import UserError
+from sahajbert.localswarm import PeerProcess, peer_env, wait_for
+
+from .swarm_helpers import ROOT, TINY_TRAINING, first_peer, script
+
+LIFETIME = 20.0  # seconds: the first peer's --token_lifetime here (600 by default)
+
+
+# ---- the allowlist and tokens, in this process ----
+
+
+def test_allowlist_lines_and_errors(tmp_path):
+    path = tmp_path / "allow.txt"
+    alice = add_invite(path, "alice")
+    path.write_text(path.read_text() + "# the second cohort\nbob  s3cret   # from the forum\n\n")
+    assert read_allowlist(path) == {"alice": alice.secret, "bob": "s3cret"}
+    with pytest.raises(UserError, match="already in"):
+        add_invite(path, "bob")
+    path.write_text("carol\n")
+    with pytest.raises(UserError, match=r"allow.txt:1: expected 'NAME SECRET'"):
+        read_allowlist(path)
+    path.write_text("dan a\ndan b\n")
+    with pytest.raises(UserError, match="listed twice"):
+        read_allowlist(path)
+    with pytest.raises(UserError, match="NAME:SECRET"):
+        parse_invite("no-secret")
+
+
+def test_a_broken_edit_keeps_the_last_good_allowlist(tmp_path):
+    path = tmp_path / "allow.txt"
+    path.write_text("alice one\n")
+    allowlist = Allowlist(path)
+    time.sleep(0.05)  # a new modification time (the file system's clock ticks in milliseconds)
+    path.write_text("alice one\nbob\n")  # a half-typed line
+    assert allowlist.secret_of("alice") == "one"
+    time.sleep(0.05)
+    path.write_text("bob two\n")
+    assert allowlist.secret_of("alice") is None and allowlist.secret_of("bob") == "two"
+
+
+def test_tokens_are_checked_against_the_authority(tmp_path):
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    path = tmp_path / "allow.txt"
+    path.write_text("alice one\n")
+    authority, other = Authority(RSAPrivateKey(), Allowlist(path), 60), RSAPrivateKey()
+    token = authority.issue("alice", other.get_public_key().to_bytes())
+    assert token_valid(token, authority.public_key)
+    assert not token_valid(token, other.get_public_key().to_bytes())  # another authority's key
+    token.username = "mallory"  # the signature covers the name
+    assert not token_valid(token, authority.public_key)
+    assert not token_valid(authority.issue("alice", b"key"), authority.public_key, now=time.time() + 61)
+
+
+# ---- a run ----
+
+
+def trainer(tmp_path, name, initial_peers, *flags):
+    return PeerProcess(
+        script("run_trainer.py"),
+        [*TINY_TRAINING, "--run_id", "invited", "--initial_peers", *initial_peers, "--max_steps", "1000", *flags]
+        + ["--output_dir", str(tmp_path / name)],
+        tmp_path / f"{name}.log",
+    )
+
+
+def step_with_two_peers(peer: PeerProcess) -> bool:
+    return any("global step" in line and "| 2 peer(s)" in line for line in peer.output().splitlines())
+
+
+def one_line_error(completed) -> str:
+    lines = completed.stdout.strip().splitlines() + completed.stderr.strip().splitlines()
+    assert completed.returncode == 2, completed.stdout + completed.stderr
+    assert "Traceback" not in completed.stderr, completed.stderr
+    return lines[-1]
+
+
+def probe(*args, timeout=150) -> dict:
+    completed = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "access_probe.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=peer_env(),
+    )
+    assert completed.returncode == 0, completed.stdout + completed.stderr[-3000:]
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_invite_only_run(tmp_path):
+    allowlist = tmp_path / "allow.txt"
+    invites = {name: add_invite(allowlist, name) for name in ("alice", "bob", "mallory")}
+    invite = {name: f"{i.name}:{i.secret}" for name, i in invites.items()}
+    organizer, initial_peers = first_peer(
+        tmp_path / "fp",
+        "invited",
+        ["--allowlist", str(allowlist), "--token_lifetime", str(LIFETIME), "--identity_path", str(tmp_path / "fp.id")],
+    )
+    assert "--invite NAME:SECRET" in organizer.output()
+    peers = [organizer]
+    try:
+        alice = trainer(tmp_path, "alice", initial_peers, "--invite", invite["alice"])
+        bob = trainer(tmp_path, "bob", initial_peers, "--invite", invite["bob"])
+        peers += [alice, bob]
+        # invited trainers average with each other: steps of the swarm's batch made by two peers
+        wait_for(lambda: step_with_two_peers(alice) and step_with_two_peers(bob), 240, "two invited trainers' steps")
+        for peer in (alice, bob):  # each measured its link against the first peer, which serves members only
+            assert "no initial peer answered the link probe" not in peer.output()
+
+        # uninvited, and with a wrong secret: one line each, exit code 2
+        common = [*TINY_TRAINING, "--run_id", "invited", "--initial_peers", *initial_peers, "--max_steps", "1"]
+        runs = [
+            subprocess.Popen(
+                [sys.executable, str(script("run_trainer.py")), *common, *extra, "--output_dir", str(tmp_path / name)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=peer_env(),
+            )
+            for name, extra in (("nobody", []), ("guesser", ["--invite", "alice:guessed"]))
+        ]
+        check = [sys.executable, str(script("run_trainer.py")), "--check", *common[:-2], "--output_dir", str(tmp_path)]
+        runs.append(subprocess.Popen(check, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=peer_env()))
+        outcomes = [subprocess.CompletedProcess(run.args, run.wait(180), *run.communicate()) for run in runs]
+        assert "this run is invite-only: add --invite NAME:SECRET" in one_line_error(outcomes[0])
+        assert "refused the invite 'alice'" in one_line_error(outcomes[1])
+        # the volunteer's checklist says what is missing, and how to fix it
+        assert outcomes[2].returncode == 1, outcomes[2].stdout + outcomes[2].stderr
+        assert "[FAIL] invite: this run is invite-only" in outcomes[2].stdout
+        assert "pass --invite NAME:SECRET exactly as the organizer sent it" in outcomes[2].stdout
+
+        alice_id = wait_for(
+            lambda: next(
+                (line.split()[-1] for line in alice.output().splitlines() if "joined the swarm" in line), None
+            ),
+            10,
+            "alice's peer id",
+        )
+        identity, token_file = str(tmp_path / "mallory.id"), str(tmp_path / "mallory.token")
+        probe_args = ["--run_id", "invited", "--first", *initial_peers, "--trainer", alice_id]
+        probe_args += ["--invite", invite["mallory"], "--identity", identity, "--token_file", token_file]
+        found = probe("member", *probe_args)
+
+        # a member reaches everything: the DHT, the state, the averagers' matchmaking and all-reduce
+        member = found["member"]
+        assert member["dht_ping"] and found["member_reads_metrics"] and member["link_probe"]
+        assert member["download_state"] > 0
+        assert member["join_group"] in ("NOT_LOOKING_FOR_GROUP", "BAD_SCHEMA_HASH"), member
+        # a part for a group that does not exist: hivemind looks it up (at once, or after its next group forms)
+        assert member["send_part"] in ("BAD_GROUP_ID", "waiting"), member
+        # the same signed request sent twice: the second is refused
+        assert not member["replayed_ping"]
+        # a raw hivemind DHT with the run id and the first peer's address: no join, no reads, its write went nowhere
+        assert found["outsider_dht"] == {"joins": False, "reads_metrics": False, "reads_members": False}
+        assert not found["intruder_key_in_swarm"]
+        # raw hivemind RPCs without a token: no state, no group, no all-reduce, no DHT
+        outsider = found["no_token"]
+        assert outsider == {
+            "dht_ping": False,
+            "link_probe": False,
+            "download_state": 0,
+            "join_group": "PROTOCOL_VIOLATION",
+            "send_part": "PROTOCOL_VIOLATION",
+        }
+        # a token signed by another authority, and the member's own token presented by another key
+        assert not found["forged_token"]["dht_ping"] and not found["stolen_token"]["dht_ping"]
+
+        # the organizer removes bob and mallory: neither gets a new token, everyone refuses them once theirs ends
+        allowlist.write_text(f"alice {invites['alice'].secret}\n")
+        revoked_at = time.monotonic()
+        expired = probe("expired", *probe_args)
+        assert expired["renewal"].startswith("refused: 'mallory' with this secret is not on"), expired
+        assert expired["after_expiry"] == outsider, expired  # with the old token, mallory is an outsider
+        assert bob.wait(LIFETIME + 30) == 2
+        assert "error: the organizer no longer admits 'bob'" in bob.output().strip().splitlines()[-1]
+        assert time.monotonic() - revoked_at <= LIFETIME + 30
+        assert list((tmp_path / "bob").glob("checkpoint-*")), "bob leaves with a checkpoint"
+        # alice trains on alone
+        steps = alice.output().count("global step")
+        wait_for(lambda: alice.output().count("global step") > steps, 60, "alice's next step after bob left")
+        assert alice.running()
+    finally:
+        for peer in reversed(peers):
+            peer.stop()

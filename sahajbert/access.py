@@ -198,7 +198,7 @@ class Authority:
     async def serve(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One request per stream: {name, secret, public_key} -> {token, authority_key} or {refused}."""
         try:
-            request = await _read_message(reader)
+            request = await asyncio.wait_for(_read_message(reader), ASK_TIMEOUT)  # a silent caller holds no task
             try:
                 token = self.admit(
                     str(request["name"]), str(request["secret"]), _b64(request["public_key"]), stream_info.peer_id
@@ -211,7 +211,7 @@ class Authority:
             except (KeyError, TypeError, ValueError):
                 answer = {"refused": "malformed request"}
             await _write_message(writer, answer)
-        except (asyncio.IncompleteReadError, ConnectionError, ValueError):
+        except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, ValueError):
             pass
         finally:
             writer.close()

@@ -14,7 +14,7 @@ from sahajbert.localswarm import PeerProcess, peer_env, wait_for
 
 from .swarm_helpers import ROOT, TINY_TRAINING, first_peer, script
 
-LIFETIME = 20.0  # seconds: the first peer's --token_lifetime here (600 by default)
+LIFETIME = 15.0  # seconds: the first peer's --token_lifetime here (600 by default)
 
 
 # ---- the allowlist and tokens, in this process ----
@@ -114,12 +114,8 @@ def test_invite_only_run(tmp_path):
         alice = trainer(tmp_path, "alice", initial_peers, "--invite", invite["alice"])
         bob = trainer(tmp_path, "bob", initial_peers, "--invite", invite["bob"])
         peers += [alice, bob]
-        # invited trainers average with each other: steps of the swarm's batch made by two peers
-        wait_for(lambda: step_with_two_peers(alice) and step_with_two_peers(bob), 240, "two invited trainers' steps")
-        for peer in (alice, bob):  # each measured its link against the first peer, which serves members only
-            assert "no initial peer answered the link probe" not in peer.output()
 
-        # uninvited, and with a wrong secret: one line each, exit code 2
+        # meanwhile, uninvited and with a wrong secret: one line each, exit code 2
         common = [*TINY_TRAINING, "--run_id", "invited", "--initial_peers", *initial_peers, "--max_steps", "1"]
         runs = [
             subprocess.Popen(
@@ -140,6 +136,11 @@ def test_invite_only_run(tmp_path):
         assert outcomes[2].returncode == 1, outcomes[2].stdout + outcomes[2].stderr
         assert "[FAIL] invite: this run is invite-only" in outcomes[2].stdout
         assert "pass --invite NAME:SECRET exactly as the organizer sent it" in outcomes[2].stdout
+
+        # invited trainers average with each other: steps of the swarm's batch made by two peers
+        wait_for(lambda: step_with_two_peers(alice) and step_with_two_peers(bob), 240, "two invited trainers' steps")
+        for peer in (alice, bob):  # each measured its link against the first peer, which serves members only
+            assert "no initial peer answered the link probe" not in peer.output()
 
         alice_id = wait_for(
             lambda: next(

@@ -397,28 +397,42 @@ def request_token(swarm_args: SwarmArguments, invite: Invite, public_key: bytes)
     return asyncio.run(_first_token(swarm_args, invite, public_key))
 
 
-async def _first_token(swarm_args: SwarmArguments, invite: Invite, public_key: bytes):
-    """Ask the initial peers, one by one, over a short-lived p2p daemon with this peer's identity (the DHT's own
-    daemon cannot start before it has a token: its first requests must be signed)."""
+async def _each_initial_peer(initial_peers: list[str], call, identity_path: str | None, startup_timeout: float):
+    """`await call(p2p, peer)` for each initial peer in turn, over a short-lived p2p daemon (with this identity, if
+    given), until one returns: (its result, None), or (None, every exception raised). Refused ends the search."""
     p2p = await P2P.create(
-        initial_peers=swarm_args.initial_peers,
-        identity_path=swarm_args.identity_path,
+        initial_peers=initial_peers,
+        identity_path=identity_path,
         host_maddrs=[ANY_PORT],
-        startup_timeout=swarm_args.join_timeout,
+        startup_timeout=startup_timeout,
         check_if_identity_free=False,  # the DHT's own daemon checks it next
     )
     failures = []
     try:
-        for peer in dict.fromkeys(peer_ids(swarm_args.initial_peers)):
+        for peer in dict.fromkeys(peer_ids(initial_peers)):
             try:
-                token, authority_key = await asyncio.wait_for(ask(p2p, peer, invite, public_key), ASK_TIMEOUT)
-                return token, authority_key, peer
+                return await asyncio.wait_for(call(p2p, peer), ASK_TIMEOUT), None
             except Refused:
                 raise
             except Exception as e:  # not the authority (an aux peer, an open run), or gone: try the next one
                 failures.append(e)
     finally:
         await p2p.shutdown()
+    return None, failures
+
+
+async def _first_token(swarm_args: SwarmArguments, invite: Invite, public_key: bytes):
+    """Ask the initial peers, one by one, with this peer's identity (the DHT's own daemon cannot start before it
+    has a token: its first requests must be signed)."""
+
+    async def token_from(p2p, peer):
+        return (*await ask(p2p, peer, invite, public_key), peer)
+
+    found, failures = await _each_initial_peer(
+        swarm_args.initial_peers, token_from, swarm_args.identity_path, swarm_args.join_timeout
+    )
+    if found is not None:
+        return found
     other = [e for e in failures if NO_HANDLER not in str(e)]
     if other:
         raise Unanswered(f"{type(other[0]).__name__}: {other[0]}".strip())
@@ -434,11 +448,9 @@ class SwarmAccess:
     def __init__(self, swarm_args: SwarmArguments, authorizer: InviteAuthorizer, authority_peer: PeerID | None):
         self.run_id, self.invite = swarm_args.run_id, parse_invite(swarm_args.invite) if swarm_args.invite else None
         self.authorizer, self.authority_peer = authorizer, authority_peer
-        self.gate = authorizer.gate  # a copy goes to each averager's process, and one to the DHT's
         self.failure: str | None = None
         self._stop = threading.Event()
         self._publishing = threading.Lock()
-        self._thread: threading.Thread | None = None
         self.published: AccessToken | None = None  # the token last put in the members' records
 
     # the organizer's first peer
@@ -478,8 +490,7 @@ class SwarmAccess:
             return
         # members admit this peer once its record is in: before it measures its link or asks for the state
         self._publish(dht, public_key, self.authorizer.token).result(timeout=ASK_TIMEOUT)
-        self._thread = threading.Thread(target=self._renew_loop, args=(dht, public_key), daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._renew_loop, args=(dht, public_key), daemon=True).start()
 
     def _publish(self, dht: hivemind.DHT, public_key: bytes, token: AccessToken):
         """Put the token in the members' records (a future), unless stopped: after stop(), `published` stays the
@@ -528,24 +539,25 @@ class SwarmAccess:
             self._stop.set()
 
 
-async def _probe(initial_peers: list[str]) -> bool:
-    p2p = await P2P.create(initial_peers=initial_peers, host_maddrs=[ANY_PORT], startup_timeout=10.0)
-    try:
-        for peer in dict.fromkeys(peer_ids(initial_peers)):
-            try:
-                _, reader, writer = await p2p.call_binary_stream_handler(peer, INVITE_PROTOCOL)
-                writer.close()
-                return True
-            except Exception:
-                continue
-        return False
-    finally:
-        await p2p.shutdown()
+async def _opens_invite_stream(p2p: P2P, peer: PeerID) -> bool:
+    _, _, writer = await p2p.call_binary_stream_handler(peer, INVITE_PROTOCOL)
+    writer.close()
+    return True
 
 
 def runs_authority(initial_peers: list[str]) -> bool:
     """Does an initial peer run an invite authority? (asked when joining without --invite failed)"""
     try:
-        return asyncio.run(_probe(initial_peers))
+        found, _ = asyncio.run(_each_initial_peer(initial_peers, _opens_invite_stream, None, 10.0))
+        return bool(found)
     except Exception:
         return False
+
+
+class InviteRequired(UserError):
+    """A peer without --invite tried to join an invite-only run."""
+
+    def __init__(self):
+        super().__init__(
+            "this run is invite-only: add --invite NAME:SECRET as the organizer sent it (ask them for one)"
+        )

@@ -139,6 +139,7 @@ def run_checks(peer_args: PeerArguments) -> list[Check]:
     swarm_args, training_args = peer_args.swarm_args, peer_args.training_args
     import hivemind
 
+    from sahajbert.access import InviteRequired
     from sahajbert.swarm import (
         UNREACHABLE_FIX,
         admission,
@@ -188,9 +189,9 @@ def run_checks(peer_args: PeerArguments) -> list[Check]:
         checks.append(Check("invite", "ok", f"'{membership.invite.name}' accepted by the organizer's peer"))
     try:
         dht = build_dht(swarm_args, authorizer=membership.authorizer if membership is not None else None)
+    except InviteRequired as e:
+        return checks + [Check("invite", "fail", str(e), INVITE_FIX)]
     except UserError as e:
-        if "invite-only" in str(e):
-            return checks + [Check("invite", "fail", str(e), INVITE_FIX)]
         detail = str(e).split(f". {UNREACHABLE_FIX}")[0]  # the fix has its own line
         return checks + [Check("initial peers answer", "fail", detail, UNREACHABLE_FIX)]
     try:

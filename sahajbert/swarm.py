@@ -145,11 +145,9 @@ def build_dht(
         raise UserError(f"no initial peer answered within {swarm_args.join_timeout:.0f} s: {' '.join(peers)}") from e
     except Exception as e:
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if "bootstrap" in message and authorizer is None and access.runs_authority(peers):
-            raise UserError(
-                "this run is invite-only: add --invite NAME:SECRET as the organizer sent it (ask them for one)"
-            ) from e
         if "bootstrap" in message:  # the p2p daemon: "failed to connect to bootstrap peers", "bootstrap failed"
+            if authorizer is None and access.runs_authority(peers):
+                raise access.InviteRequired() from e  # the peers answered, but refuse requests without a token
             raise UserError(f"none of the initial peers answered: {' '.join(peers)}. {UNREACHABLE_FIX}") from e
         raise UserError(f"could not join the swarm: {message}") from e
     serve_link_probe(dht)  # newcomers measure their link against this peer (a client-mode peer serves nothing)
@@ -264,7 +262,7 @@ class SwarmPeer:
     @property
     def gate(self):
         """Who may call this peer's averagers: an invite-only run's members (None: anyone)."""
-        return self.access.gate if self.access is not None else None
+        return self.access.authorizer.gate if self.access is not None else None
 
     @property
     def access_lost(self) -> bool:

@@ -33,6 +33,8 @@ PROBE_PINGS = 5
 # the rate is taken over the transfer's later part: its first third is mostly TCP slow start and buffer filling
 RATE_FROM = 1 / 3
 PROBE_TIMEOUT = 60.0  # seconds for the whole measurement, every initial peer tried included
+PROBE_TRIES = 2  # per initial peer, at start
+PROBE_RETRY = 20.0  # seconds after a failed measurement before the next try (then every --link_check_every)
 
 
 @dataclass(frozen=True)
@@ -153,18 +155,23 @@ async def _measure_now(p2p, peer_id: PeerID, seconds: float) -> LinkEstimate:
 
 def measure_link(
     dht: hivemind.DHT, initial_peers: list[str], seconds: float = PROBE_SECONDS
-) -> tuple[LinkEstimate, PeerID] | tuple[None, None]:
-    """Measure this peer's link against the first initial peer that answers the probe: (estimate, that peer)."""
+) -> tuple[LinkEstimate, PeerID] | tuple[None, str]:
+    """Measure this peer's link against the first initial peer that answers the probe: (estimate, that peer), or
+    (None, why the last try failed). Each initial peer is tried twice: a probe that lands while the machine or the
+    first peer is busy (a peer starting up) can stall past its end and be too short to time."""
     deadline = time.monotonic() + PROBE_TIMEOUT
-    for peer_id in dict.fromkeys(peer_ids(initial_peers)):
+    why = "no initial peer has a /p2p/ id"
+    for peer_id in list(dict.fromkeys(peer_ids(initial_peers))) * PROBE_TRIES:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
+            why = f"no answer within {PROBE_TIMEOUT:.0f} s"
             break
         try:
             return start_measurement(dht, peer_id, seconds).result(timeout=remaining), peer_id
         except Exception as e:  # an old peer without the probe, a peer that left, a timeout: try the next one
+            why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             logger.debug(f"link probe against {peer_id} failed: {e!r}")
-    return None, None
+    return None, why
 
 
 def start_measurement(dht: hivemind.DHT, peer_id: PeerID, seconds: float = PROBE_SECONDS):
@@ -175,20 +182,23 @@ def start_measurement(dht: hivemind.DHT, peer_id: PeerID, seconds: float = PROBE
 class LinkWatch:
     """Keeps the bandwidth estimate current: every `every` seconds the link is measured again in the background
     (against the peer that answered at start), at a moment the caller chooses as quiet (between averaging rounds).
+    After a failed measurement (also the one at start) it tries again sooner, against the next initial peer.
 
     Not from the rounds' own throughput: a round runs at the pace of its slowest peer, so it would understate
     exactly the fast peers that load balancing must find."""
 
-    def __init__(self, dht: hivemind.DHT, peer_id: PeerID | None, every: float):
-        self.dht, self.peer_id, self.every = dht, peer_id, every
+    def __init__(self, dht: hivemind.DHT, peers: list[PeerID], every: float, failed: bool = False):
+        self.dht, self.peers, self.every = dht, peers, every
+        self.failed = failed
         self.last = time.monotonic()
         self.future = None
 
     def due(self) -> bool:
-        return self.peer_id is not None and self.future is None and time.monotonic() - self.last >= self.every
+        wait = min(self.every, PROBE_RETRY) if self.failed else self.every
+        return bool(self.peers) and self.future is None and time.monotonic() - self.last >= wait
 
     def start(self) -> None:
-        self.future = start_measurement(self.dht, self.peer_id)
+        self.future = start_measurement(self.dht, self.peers[0])
         self.last = time.monotonic()
 
     def finished(self) -> LinkEstimate | None:
@@ -197,10 +207,14 @@ class LinkWatch:
             return None
         future, self.future = self.future, None
         try:
-            return future.result()
+            link = future.result()
         except Exception as e:
-            logger.debug(f"link re-measurement failed: {e!r}")
+            logger.debug(f"link re-measurement against {self.peers[0]} failed: {e!r}")
+            self.failed = True
+            self.peers = self.peers[1:] + self.peers[:1]
             return None
+        self.failed = False
+        return link
 
 
 def peer_ids(maddrs: list[str]) -> list[PeerID]:
@@ -376,12 +390,16 @@ def tune(
     flag are given, or --no_measure_link), then plan around the explicit values. Logged in one line."""
     averaging_args = peer_args.averaging_args
     explicit = explicit_timing(peer_args)
-    link = peer = None
-    needed = any(value is None for value in explicit.values())
-    if averaging_args.measure_link and needed and peer_args.swarm_args.initial_peers:
-        link, peer = measure_link(dht, peer_args.swarm_args.initial_peers)
+    link = None
+    initial_peers = peer_args.swarm_args.initial_peers
+    probing = averaging_args.measure_link and bool(initial_peers)
+    if probing and any(value is None for value in explicit.values()):
+        link, peer = measure_link(dht, initial_peers)
         if link is None:
-            logger.warning("no initial peer answered the link probe: timing assumes 10 Mbit/s and 200 ms")
+            logger.warning(
+                f"no initial peer answered the link probe ({peer}): timing assumes 10 Mbit/s and 200 ms, and the "
+                f"probe is tried again in {PROBE_RETRY:.0f} s"
+            )
     gradient_bytes, state_bytes = payload_bytes(parameters, averaging_args.compression)
     timing = plan_timing(gradient_bytes, state_bytes, link, explicit)
     measured = (
@@ -397,6 +415,8 @@ def tune(
         f"timeout {timing.load_state_timeout:.0f} s, bandwidth {bandwidth}"
     )
     watch = None
-    if link is not None and explicit["bandwidth"] is None:
-        watch = LinkWatch(dht, peer, averaging_args.link_check_every)
+    if probing and explicit["bandwidth"] is None:
+        # the peer that answered first, then the others
+        peers = list(dict.fromkeys(([peer] if link is not None else []) + peer_ids(initial_peers)))
+        watch = LinkWatch(dht, peers, averaging_args.link_check_every, failed=link is None)
     return timing, link, watch

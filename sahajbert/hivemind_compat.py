@@ -374,8 +374,19 @@ def dht_authorizer(node):
     return node.protocol.authorizer
 
 
+# seconds a stopping averager waits after its last served all-reduce stream has ended, for the p2p daemon to pass
+# the last chunk on (the daemon stays up with the DHT, but the averager's end of the stream closes at its exit)
+FLUSH_AFTER_SERVING = 0.5
+SERVING_WAIT_UNTIMED = 10.0  # seconds to wait for served streams when the averager has no chunk timeout
+
+
 class GuardedAverager:
     """Averaging RPCs only for callers that `gate` admits (sahajbert.access.Gate); mixed into hivemind's averagers.
+
+    It also stops gracefully: hivemind ends a peer's own all-reduce once its own averaged parts have arrived, while
+    it may still be sending the parts it reduced to slower groupmates; an averager that exits then (a trainer that
+    stops after the final round) gives them partial results. `_shutdown` first waits, at most one chunk timeout
+    (a groupmate gives up after that anyway), until no served all-reduce stream is left.
 
     hivemind's averaging messages carry no token: the caller's libp2p peer id (`context.remote_id`, authenticated by
     the transport) is what is checked. Handlers keep hivemind's names (`_get_handle_name` of the hivemind class), so
@@ -390,7 +401,25 @@ class GuardedAverager:
 
     def __init__(self, *args, gate=None, **kwargs):
         self.gate = gate  # before hivemind starts the averager's process, which gets a copy of it
+        self._serving = 0  # all-reduce streams this averager is answering (counted in its own process)
         super().__init__(*args, **kwargs)
+
+    @property
+    def serving_wait(self) -> float:
+        """Seconds `_shutdown` may wait for served streams to end; its process is given this much more to stop."""
+        return self.next_chunk_timeout if self.next_chunk_timeout is not None else SERVING_WAIT_UNTIMED
+
+    def shutdown(self) -> None:
+        self.shutdown_timeout += self.serving_wait  # hivemind joins the process for shutdown_timeout, then kills it
+        super().shutdown()
+
+    async def _shutdown(self, timeout: float | None) -> None:
+        deadline = time.monotonic() + self.serving_wait
+        if self._serving:
+            while self._serving and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(FLUSH_AFTER_SERVING)
+        await super()._shutdown(timeout)
 
     @classmethod
     def _get_handle_name(cls, namespace, method_name: str) -> str:
@@ -422,8 +451,12 @@ class GuardedAverager:
         if not await self._admits(context):
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
-        async for message in super().rpc_aggregate_part(stream, context):
-            yield message
+        self._serving += 1
+        try:
+            async for message in super().rpc_aggregate_part(stream, context):
+                yield message
+        finally:
+            self._serving -= 1
 
     async def rpc_download_state(
         self, request: averaging_pb2.DownloadRequest, context: P2PContext

@@ -115,14 +115,21 @@ def test_the_link_probe_measures_loopback_over_real_p2p():
         assert link.upload_mbit > 50 and link.download_mbit > 50, link
         assert 0 < link.round_trip_s < 0.1, link
         # measured again in the background when due
-        watch = LinkWatch(client, answered, every=0.0)
+        watch = LinkWatch(client, [answered], every=0.0)
         assert watch.due()
         watch.start()
         assert not watch.due(), "one measurement at a time"
         again = wait_for(watch.finished, 60, "the second measurement")
         assert again.upload_mbit > 50, again
-        # a peer without the probe (the client serves none: it was never asked to) is skipped: None
-        assert measure_link(server, [str(m) for m in client.get_visible_maddrs()], seconds=0.5) == (None, None)
+        # a peer without the probe (the client serves none: it was never asked to) is skipped: None, and why
+        link, why = measure_link(server, [str(m) for m in client.get_visible_maddrs()], seconds=0.5)
+        assert link is None and isinstance(why, str) and why, why
+        # a failed measurement marks the watch as failed (it retries sooner) and moves on to the next peer
+        watch = LinkWatch(server, [client.peer_id, server.peer_id], every=0.0)
+        watch.start()
+        wait_for(lambda: watch.future.done(), 60, "the failing measurement")
+        assert watch.finished() is None and watch.failed
+        assert watch.peers == [server.peer_id, client.peer_id]
     finally:
         client.shutdown()
         server.shutdown()

@@ -13,6 +13,7 @@ from typing import ClassVar, Optional
 
 import transformers
 
+from sahajbert import robust
 from sahajbert.cli import Flags
 from sahajbert.corpus import DEFAULT_SOURCES, HUB_SOURCES, SAMPLE_NAME
 from sahajbert.recipes import PROTOCOLS, RECIPES
@@ -279,6 +280,25 @@ class AveragingArguments:
             "negative_help": "Do not measure the link: the automatic timing assumes 10 Mbit/s and 200 ms.",
         },
     )
+    aggregation: str = field(
+        default="centered_clip",
+        metadata={
+            "help": "How a peer combines the contributions to the all-reduce parts it reduces (gradients, "
+            "parameters): non-finite ones are always dropped and each claimed weight is capped at the median; "
+            "centered_clip: CenteredClip (BTARD, Gorbunov et al. 2022) from the coordinate-wise median; "
+            "norm_clip: each norm clipped to --clip_tau x the median norm (cheaper); plain: hivemind's weighted "
+            "mean, no checks.",
+            "choices": ["centered_clip", "norm_clip", "plain"],
+        },
+    )
+    clip_tau: float = field(
+        default=1.0,
+        metadata={
+            "help": "CenteredClip's radius as a multiple of the contributions' median distance from their median "
+            "(norm_clip: of their median norm)."
+        },
+    )
+    clip_iterations: int = field(default=3, metadata={"help": "CenteredClip's iterations per part."})
     link_check_every: float = field(
         default=1800.0,
         metadata={
@@ -299,6 +319,7 @@ class AveragingArguments:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"--{name} must be positive, got {value}")
+        robust.Aggregation(self.aggregation, self.clip_tau, self.clip_iterations)  # checks the three
         if self.final_averaging_window is not None and self.final_averaging_window < 0:
             raise ValueError(f"--final_averaging_window must be >= 0 seconds, got {self.final_averaging_window}")
 

@@ -9,6 +9,8 @@ round. Each function says what it relies on. After a hivemind upgrade, check the
 """
 
 import asyncio
+import logging
+import math
 import re
 import time
 from dataclasses import dataclass
@@ -17,12 +19,20 @@ from typing import AsyncIterator  # noqa: UP035 hivemind's servicer finds stream
 
 import hivemind
 import torch
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.control import AveragingStage, StepControl
+from hivemind.averaging.partition import AllreduceException, TensorPartReducer
 from hivemind.optim.grad_averager import GradientAverager
+from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
+from hivemind.utils.asyncio import as_aiter, azip
+
+from sahajbert import robust
+
+logger = logging.getLogger(__name__)
 
 CHECKED_VERSION = "1.1.12"
 # an `average_state_every` that no global step number is a multiple of: no parameter round at the coming steps
@@ -103,10 +113,11 @@ def set_bandwidth(optimizer: hivemind.Optimizer, mbit: float) -> None:
             averager.bandwidth = mbit
 
 
-def gradient_averager_factory(gate=None, **averager_opts):
+def gradient_averager_factory(gate=None, aggregation: robust.Aggregation = robust.Aggregation(), **averager_opts):
     """hivemind 1.1.x gives `averager_opts` to the state averager only: the gradient averager, made by this factory
-    (the documented `grad_averager_factory`), gets the same bandwidth and group size, and the access gate."""
-    return partial(GuardedGradientAverager, gate=gate, **averager_opts)
+    (the documented `grad_averager_factory`), gets the same bandwidth and group size, the access gate and the
+    robust aggregation."""
+    return partial(GuardedGradientAverager, gate=gate, aggregation=aggregation, **averager_opts)
 
 
 def set_state_priority(optimizer: hivemind.Optimizer, priority: float) -> None:
@@ -374,6 +385,115 @@ def dht_authorizer(node):
     return node.protocol.authorizer
 
 
+class RobustAccumulator:
+    """Takes the place of hivemind's accumulator tensor in its TensorPartReducer (`reducer.accumulator`): where
+    hivemind adds each contribution to a sum (`add_`) and divides by the total weight once all have arrived
+    (`div_`), this keeps the contributions and combines them with `robust.aggregate`."""
+
+    def __init__(self, reducer: "RobustTensorPartReducer"):
+        self.reducer = reducer
+        self.contributions: list[torch.Tensor] = []
+        self.weights: list[float] = []
+        self.senders: list[int] = []
+
+    def add_(self, tensor: torch.Tensor, alpha: float = 1.0) -> "RobustAccumulator":
+        self.contributions.append(tensor)
+        self.weights.append(float(alpha))
+        self.senders.append(getattr(tensor, "sahajbert_sender", -1))
+        return self
+
+    def div_(self, _total_weight: float) -> torch.Tensor:
+        combined = robust.aggregate(self.contributions, self.weights, self.reducer.aggregation)
+        self.reducer.dropped.update(self.senders[i] for i in combined.dropped)
+        self.reducer.outliers.update(self.senders[i] for i in combined.outliers)
+        return combined.tensor
+
+
+class RobustTensorPartReducer(TensorPartReducer):
+    """hivemind's reducer of this peer's parts, with `RobustAccumulator` as the accumulator of each part (set up in
+    `reset_accumulators`, which hivemind calls for every next part). Keeps each contribution of the current part
+    until all have arrived: memory for one part times the group's size, instead of one part."""
+
+    def __init__(self, part_shapes, num_senders: int, aggregation: robust.Aggregation):
+        self.aggregation = aggregation
+        self.dropped: set[int] = set()  # senders with a non-finite contribution, by index
+        self.outliers: set[int] = set()  # senders with a contribution far out of the others' range, by index
+        super().__init__(part_shapes, num_senders)
+
+    def reset_accumulators(self) -> None:
+        super().reset_accumulators()
+        if not self.finished.is_set():
+            self.accumulator = RobustAccumulator(self)
+
+    async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight=1.0):
+        tensor_part.sahajbert_sender = sender_index  # read by RobustAccumulator.add_, after hivemind's waits
+        return await super().accumulate_part(sender_index, part_index, tensor_part, weight=weight)
+
+
+class RobustAllReduceRunner(AllReduceRunner):
+    """hivemind's all-reduce of one group, with three defences:
+
+    - this peer reduces its parts with `RobustTensorPartReducer`;
+    - each average another peer returns for this peer's parts is checked (`robust.implausible`); an implausible one
+      ends that exchange, and hivemind then keeps this peer's own values for the rest of that reducer's parts
+      (`register_failed_reducer`), as for a reducer that timed out. The reducer is reported to `distrust`;
+    - peers in `distrusted` are left out: their contributions are not awaited and their averages not asked for.
+    """
+
+    def __init__(self, *args, aggregation: robust.Aggregation, distrusted: set[PeerID], distrust, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.distrusted, self.distrust = distrusted, distrust
+        # the reducer hivemind made never runs: marked finished, it does not warn of 0% received when collected
+        self.tensor_part_reducer.finished.set()
+        self.tensor_part_reducer = RobustTensorPartReducer(
+            tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids), aggregation
+        )
+        for index, peer_id in enumerate(self.sender_peer_ids):
+            if peer_id in distrusted and peer_id != self.peer_id:
+                self.banned_senders.add(peer_id)
+                self.active_senders.add(peer_id)  # not awaited: hivemind waits for every sender that is not active
+                self.tensor_part_reducer.on_sender_failed(index)
+        if len(self.active_senders) == len(self.sender_peer_ids):
+            self.all_senders_started.set()
+        self.checked = aggregation.rule != "plain"  # plain: hivemind's all-reduce, no checks
+        container = self.tensor_part_container
+        own = [part for parts in container._input_parts_by_peer for part, _ in parts]
+        self._own_norm = math.sqrt(sum(float(part.float().norm()) ** 2 for part in own))
+        self._own_size = max(1, sum(part.numel() for part in own))
+        self._register = container.register_processed_part
+        container.register_processed_part = self._register_checked
+
+    def _register_checked(self, peer_index: int, part_index: int, delta: torch.Tensor) -> None:
+        peer_id = self.ordered_peer_ids[peer_index]
+        own, _ = self.tensor_part_container._input_parts_by_peer[peer_index][part_index]
+        # a peer whose own part is non-finite (its parameters went bad) cannot judge anyone: it rolls back instead
+        if self.checked and peer_id != self.peer_id and robust.finite(own):
+            scale = max(float(own.float().norm()), self._own_norm * math.sqrt(own.numel() / self._own_size))
+            why = robust.implausible(delta, scale)
+            if why is not None:
+                self.distrust(peer_id, f"its average for a part of {self.group_id.hex()[:8]}'s round: {why}")
+                raise AllreduceException(f"{peer_id} returned an implausible average ({why})")
+        self._register(peer_index, part_index, delta)
+
+    async def _communicate_with_peer(self, peer_id: PeerID):
+        if peer_id in self.distrusted and peer_id != self.peer_id:
+            self.tensor_part_container.register_failed_reducer(self.ordered_peer_ids.index(peer_id))
+            return
+        await super()._communicate_with_peer(peer_id)
+
+    def finalize(self, *, cancel: bool = False, exception: BaseException | None = None):
+        reducer = self.tensor_part_reducer
+        for what, senders in (("non-finite", reducer.dropped), ("outlying", reducer.outliers - reducer.dropped)):
+            for index in sorted(i for i in senders if 0 <= i < len(self.sender_peer_ids)):
+                action = "dropped" if what == "non-finite" else "bounded"
+                logger.warning(
+                    f"{action} the {what} contribution of {self.sender_peer_ids[index]} to this peer's part of an "
+                    f"averaging round"
+                )
+            senders.clear()
+        super().finalize(cancel=cancel, exception=exception)
+
+
 # seconds a stopping averager waits after its last served all-reduce stream has ended, for the p2p daemon to pass
 # the last chunk on (the daemon stays up with the DHT, but the averager's end of the stream closes at its exit)
 FLUSH_AFTER_SERVING = 0.5
@@ -399,10 +519,46 @@ class GuardedAverager:
     _stub_type = None
     _hivemind_class: type
 
-    def __init__(self, *args, gate=None, **kwargs):
-        self.gate = gate  # before hivemind starts the averager's process, which gets a copy of it
+    def __init__(self, *args, gate=None, aggregation: robust.Aggregation = robust.Aggregation(), **kwargs):
+        # set before hivemind starts the averager's process, which gets a copy of them
+        self.gate, self.aggregation = gate, aggregation
         self._serving = 0  # all-reduce streams this averager is answering (counted in its own process)
+        self._distrusted: set[PeerID] = set()  # reducers caught returning implausible averages (in its process)
         super().__init__(*args, **kwargs)
+
+    def _distrust(self, peer_id: PeerID, why: str) -> None:
+        if peer_id not in self._distrusted:
+            self._distrusted.add(peer_id)
+            logger.warning(
+                f"peer {peer_id} is left out of this peer's averaging from now on: {why}; this peer kept its own "
+                f"values for that peer's parts"
+            )
+
+    async def _run_allreduce_inplace_(self, tensors, group_info, group_id: bytes | None = None, **kwargs):
+        """hivemind's own (averager.py), with RobustAllReduceRunner in place of AllReduceRunner: run the group's
+        all-reduce and add each averaged delta to the local tensors as it arrives."""
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = RobustAllReduceRunner(
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            aggregation=self.aggregation,
+            distrusted=self._distrusted,
+            distrust=self._distrust,
+            **kwargs,
+        )
+        self._running_groups[group_id].set_result(runner)
+        if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
+            async for _ in runner:
+                raise ValueError("an auxiliary peer receives no averages")
+            return
+        async for tensor, delta in azip(as_aiter(*tensors), runner):
+            tensor.add_(delta, alpha=self._averaging_alpha)
+            self.last_updated = get_dht_time()
+            self._state_updated.set()
 
     @property
     def serving_wait(self) -> float:
@@ -426,6 +582,8 @@ class GuardedAverager:
         return cls._hivemind_class._get_handle_name(namespace, method_name)
 
     async def _admits(self, context) -> bool:
+        if context.remote_id in self._distrusted:
+            return False
         if self.gate is None:
             return True
 
@@ -475,17 +633,67 @@ class GuardedStateAverager(GuardedAverager, TrainingStateAverager):
     _hivemind_class = TrainingStateAverager
 
 
-class GuardedOptimizer(hivemind.Optimizer):
-    """hivemind.Optimizer whose state averager is guarded; its gradient averager comes from
-    `gradient_averager_factory`. `_make_state_averager` repeats hivemind 1.1.12's own arguments."""
+def _peer_name(peer: bytes) -> str:
+    try:
+        return str(PeerID(peer))
+    except Exception:
+        return repr(peer)
 
-    def __init__(self, *args, gate=None, **kwargs):
-        self._gate = gate
+
+class BoundedProgressTracker(ProgressTracker):
+    """hivemind's progress tracker, reading the swarm's progress records through `robust.plausible_progress`: one
+    peer's claims cannot move the swarm's step or fill its batch. Each distinct change is logged once."""
+
+    def __init__(self, *args, **kwargs):
+        self._step_began = (None, time.monotonic())  # (global step, when this peer first saw it)
+        self._noted: set[tuple[str, bytes]] = set()
         super().__init__(*args, **kwargs)
+
+    def _parse_swarm_progress_data(self, metadata):
+        if isinstance(metadata, dict) and metadata:
+            step, began = self._step_began
+            metadata, notes = robust.plausible_progress(
+                metadata,
+                own_peer=self.dht.peer_id.to_bytes(),
+                own_epoch=self.local_progress.epoch,
+                target=self.target_batch_size,
+                step_seconds=time.monotonic() - began,
+            )
+            for note, peer in notes:
+                kind = note.split(" of ")[0]  # once per peer and kind of change: claims repeat at every refresh
+                if (kind, peer) not in self._noted and len(self._noted) < 1000:
+                    self._noted.add((kind, peer))
+                    logger.warning(f"swarm progress: {note}, from peer {_peer_name(peer)}; further ones not logged")
+        progress = super()._parse_swarm_progress_data(metadata)
+        if progress.epoch != self._step_began[0]:
+            self._step_began = (progress.epoch, time.monotonic())
+        return progress
+
+
+class GuardedOptimizer(hivemind.Optimizer):
+    """hivemind.Optimizer whose state averager is guarded and robust, and whose progress tracker bounds claims; its
+    gradient averager comes from `gradient_averager_factory`. `_make_state_averager` and `_make_progress_tracker`
+    repeat hivemind 1.1.12's own arguments."""
+
+    def __init__(self, *args, gate=None, aggregation: robust.Aggregation = robust.Aggregation(), **kwargs):
+        self._gate, self._aggregation = gate, aggregation
+        super().__init__(*args, **kwargs)
+
+    def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
+        return BoundedProgressTracker(
+            dht=self.dht,
+            prefix=self.run_id,
+            target_batch_size=target_batch_size,
+            client_mode=self.client_mode,
+            status_loglevel=self.status_loglevel,
+            start=True,
+            **kwargs,
+        )
 
     def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
         return GuardedStateAverager(
             gate=self._gate,
+            aggregation=self._aggregation,
             dht=self.dht,
             prefix=f"{self.run_id}_state_averager",
             min_matchmaking_time=self.matchmaking_time,

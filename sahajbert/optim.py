@@ -19,6 +19,7 @@ from hivemind.compression import (
 from transformers import get_linear_schedule_with_warmup
 
 from sahajbert import hivemind_compat as compat
+from sahajbert import robust
 from sahajbert.adaptive import Timing, explicit_timing, payload_bytes, plan_timing
 from sahajbert.arguments import PeerArguments
 
@@ -156,8 +157,12 @@ def build_collaborative_optimizer(
         averager_opts["target_group_size"] = averaging_args.target_group_size
     if not auxiliary and batch_size_per_step is None:
         batch_size_per_step = training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
+    aggregation = robust.Aggregation(
+        averaging_args.aggregation, averaging_args.clip_tau, averaging_args.clip_iterations
+    )
     return compat.GuardedOptimizer(
         gate=gate,
+        aggregation=aggregation,
         dht=dht,
         run_id=swarm_args.run_id,
         target_batch_size=optimizer_args.target_batch_size - optimizer_args.batch_size_lead,
@@ -184,7 +189,7 @@ def build_collaborative_optimizer(
         averager_opts=averager_opts or None,
         grad_averager_factory=None
         if optimizer_args.use_local_updates
-        else compat.gradient_averager_factory(gate, **averager_opts),
+        else compat.gradient_averager_factory(gate, aggregation, **averager_opts),
         tracker_opts={
             "metadata_expiration": optimizer_args.metadata_expiration,
             "max_refresh_period": timing.max_refresh_period,

@@ -226,8 +226,14 @@ class TrainerPeer(SwarmPeer):
             is_finite([torch.tensor(pass_loss)]) and is_finite(p.grad for p in self.model.parameters())
         ):
             self.dropped_passes += 1
-            logger.warning(f"non-finite loss or gradients: this batch is dropped ({self.dropped_passes} so far)")
             self.optimizer.zero_grad(set_to_none=True)
+            if not self.good_state.parameters_finite():
+                # the parameters themselves went bad (a background round, or a peer's state): every further batch
+                # would be dropped too and no global step would come to roll back after, so restore them now
+                self.good_state.roll_back("between global steps")
+                self.compute.push_parameters()
+            else:
+                logger.warning(f"non-finite loss or gradients: this batch is dropped ({self.dropped_passes} so far)")
             return None
         training_args = self.args.training_args
         if training_args.clip_gradients == "local" and training_args.max_grad_norm:
@@ -477,18 +483,22 @@ class LastGoodState:
         self.pending_update_timeout = pending_update_timeout
         self.parameters: list[torch.Tensor] = []
         self.optimizer_state: dict | None = None
+        self.rollbacks = 0
 
     def keep_or_roll_back(self) -> bool:
         """After a global step: keep healthy parameters as the new good state (True), or restore the last one."""
         if self.parameters_finite():
             self.save()
             return True
-        step = self.optimizer.local_epoch
-        logger.warning(f"parameters became non-finite at step {step}: rolling back to the last good state")
+        self.roll_back(f"at step {self.optimizer.local_epoch}")
+        return False
+
+    def roll_back(self, when: str) -> None:
+        self.rollbacks += 1
+        logger.warning(f"parameters became non-finite {when}: rolling back to the last good state")
         # every round still running lands first: one that landed after the restore would bring the bad values back
         compat.apply_pending_updates(self.optimizer, self.pending_update_timeout)
         self.restore()
-        return False
 
     def _tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         offloaded = [p for group in self.optimizer.opt.param_groups for p in group["params"]]

@@ -1,0 +1,189 @@
+"""Robust aggregation: what one all-reduce part becomes when some of the peers that sent it may be wrong or hostile.
+
+hivemind's reducer returns the weighted mean of whatever arrives, so one peer sending NaN makes every groupmate's
+part NaN, and one peer sending x1e4-scaled values decides the average alone. The reducer of a part here
+(`hivemind_compat.RobustAccumulator`, used by every averager: gradients, parameters, DiLoCo's pseudo-gradients)
+instead combines the contributions with `aggregate`:
+
+- non-finite contributions are always dropped;
+- each contribution's weight (the samples a peer claims for its gradients) is capped at the median weight, so that a
+  claimed weight cannot outvote the others;
+- "centered_clip" (the default) is CenteredClip from "Secure Distributed Training at Scale" (Gorbunov et al., 2022,
+  BTARD): starting at the coordinate-wise median, `iterations` times v <- v + mean_i(clip(x_i - v, tau)), where
+  clip shortens a vector to norm tau. tau here is a multiple (--clip_tau) of the median distance of the
+  contributions from the median, so that one setting suits gradients and parameters of any size and scale;
+- "norm_clip" clips each contribution's norm to --clip_tau times the median norm, then takes the weighted mean:
+  cheaper, and enough against scaled contributions, but a sign-flipped one keeps its full weight;
+- "plain" is hivemind's weighted mean (no checks), for comparison and for runs that trust every peer.
+
+A receiver also checks what a reducer sends back (`implausible`): a reducer may return anything for its part.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+RULES = ("centered_clip", "norm_clip", "plain")
+# a reducer's average may differ from the receiver's own part by at most this many times the norm of that part (or
+# of the part's typical size when that is near zero): an honest average of honest parts is never that far
+IMPLAUSIBLE_FACTOR = 100.0
+TINY = 1e-12
+OUTLIER_FACTOR = 10.0  # a contribution this many times farther out than the median one is logged as an outlier,
+OUTLIER_SHARE = 10.0  # if also farther from the result than this many times the result's norm
+
+
+@dataclass(frozen=True)
+class Aggregation:
+    """How a reducer combines the contributions to its part (see the module's docstring)."""
+
+    rule: str = "centered_clip"
+    tau: float = 1.0
+    iterations: int = 3
+
+    def __post_init__(self):
+        if self.rule not in RULES:
+            raise ValueError(f"--aggregation must be one of {', '.join(RULES)}, got {self.rule!r}")
+        if not self.tau > 0:
+            raise ValueError(f"--clip_tau must be positive, got {self.tau}")
+        if self.iterations < 1:
+            raise ValueError(f"--clip_iterations must be at least 1, got {self.iterations}")
+
+
+def finite(tensor: torch.Tensor) -> bool:
+    return bool(torch.isfinite(tensor).all())
+
+
+@dataclass
+class Combined:
+    """A reduced part, with the contributions (by index) dropped as non-finite and those far out of the others'
+    range (over OUTLIER_FACTOR x the median distance from the result, or x the median norm for norm_clip), which the
+    rule bounded: a reducer logs both with the peer's ID."""
+
+    tensor: torch.Tensor
+    dropped: list[int]
+    outliers: list[int]
+
+
+def aggregate(contributions: list[torch.Tensor], weights: list[float], how: Aggregation) -> Combined:
+    """Combine one part's contributions. With no finite contribution the result is NaN: receivers (`implausible`)
+    then keep their own part."""
+    shape = contributions[0].shape
+    if how.rule == "plain":
+        mean = sum(c.float() * w for c, w in zip(contributions, weights)) / sum(weights)
+        return Combined(mean, [], [])
+    keep = [i for i, (c, w) in enumerate(zip(contributions, weights)) if w > 0 and math.isfinite(w) and finite(c)]
+    dropped = [i for i in range(len(contributions)) if i not in keep]
+    if not keep:
+        return Combined(torch.full(shape, float("nan")), dropped, [])
+    stacked = torch.stack([contributions[i].float().reshape(-1) for i in keep])  # [peers, values]
+    claimed = torch.tensor([float(weights[i]) for i in keep])
+    w = torch.clamp(claimed, max=float(claimed.median()))
+    w = w / w.sum()
+    if how.rule == "norm_clip":
+        sizes = stacked.norm(dim=1)
+        bound = how.tau * float(sizes.median())
+        scale = torch.clamp(bound / sizes.clamp_min(TINY), max=1.0)
+        combined = (w[:, None] * scale[:, None] * stacked).sum(0)
+    else:
+        # with two contributions the median is their mean and both are equally far from it: nothing to clip
+        combined = stacked.median(dim=0).values if len(keep) > 2 else (w[:, None] * stacked).sum(0)
+        tau = how.tau * float((stacked - combined).norm(dim=1).median())
+        for _ in range(how.iterations if tau > 0 else 0):
+            offsets = stacked - combined
+            scale = torch.clamp(tau / offsets.norm(dim=1).clamp_min(TINY), max=1.0)
+            combined = combined + (w[:, None] * scale[:, None] * offsets).sum(0)
+        sizes = (stacked - combined).norm(dim=1)
+    # far out both next to the others and next to the result itself: peers with equal parameters (the same averaged
+    # update applied) make the median distance about 0, and every other peer would look far out of it
+    bound = max(OUTLIER_FACTOR * float(sizes.median()), OUTLIER_SHARE * float(combined.norm()))
+    outliers = [keep[j] for j in range(len(keep)) if len(keep) > 2 and float(sizes[j]) > bound]
+    return Combined(combined.reshape(shape), dropped, outliers)
+
+
+def implausible(delta: torch.Tensor, scale: float) -> str | None:
+    """Why an average a reducer sent back (as `delta`, the change to this peer's own part) cannot be honest, or None.
+
+    `scale` is this peer's own idea of the part's size: the larger of its own part's norm and its whole contribution's
+    norm shared out by the part's length (a part of zeros in this peer's gradient may be non-zero in others'). With
+    scale 0 (this peer contributed nothing) only finiteness is checked."""
+    if not finite(delta):
+        return "non-finite values"
+    distance = float(delta.float().norm())
+    if scale > 0 and distance > IMPLAUSIBLE_FACTOR * scale:
+        return f"it moves this peer's part by {distance:.3g}, over {IMPLAUSIBLE_FACTOR:g}x its size {scale:.3g}"
+    return None
+
+
+# ---- progress claims: what a peer may say about its share of the swarm's batch ----
+
+THROUGHPUT_FACTOR = 10.0  # a claimed samples/s above this many times the peers' median counts as this much
+SAMPLES_SLACK = 2.0  # a claimed count above twice what the (capped) throughput accumulates since the step began
+
+
+def plausible_progress(
+    claims: dict, own_peer: bytes, own_epoch: int, target: int, step_seconds: float
+) -> tuple[dict, list[tuple[str, bytes]]]:
+    """The progress records hivemind's tracker reads (subkey -> record with a dict `value`: peer_id, epoch,
+    samples_accumulated, samples_per_second, client_mode), bounded; and (what was done, peer) for each claim changed
+    or ignored.
+
+    - a record with a non-finite or negative number is ignored;
+    - the swarm's step (hivemind takes the highest any peer reports) is at most the lower median of the other
+      serving peers' steps: more than half of them must be there, so one peer cannot end or skip others' runs
+      (a peer that joins a run in progress still follows them: all others are ahead). A claim one step ahead is
+      the normal moment when some peers have finished a round and others not yet: it is left out without a note;
+    - with three peers or more a throughput over THROUGHPUT_FACTOR x the median is capped there, and a peer's
+      samples toward the current step at SAMPLES_SLACK x what that throughput gives over `step_seconds` (since this
+      peer saw the step begin), plus a share of the batch; never more than the batch.
+    """
+    notes = []
+    records = {}
+    for subkey, record in claims.items():
+        value = getattr(record, "value", None)
+        if not isinstance(value, dict):
+            continue
+        numbers = [value.get(k) for k in ("epoch", "samples_accumulated", "samples_per_second", "time")]
+        if not all(isinstance(x, int | float) and math.isfinite(x) and x >= 0 for x in numbers):
+            notes.append(("ignored a progress record with invalid numbers", value.get("peer_id", b"")))
+            continue
+        records[subkey] = record
+    others = sorted(
+        (r.value["epoch"] for r in records.values() if r.value["peer_id"] != own_peer and not r.value["client_mode"]),
+        reverse=True,
+    )
+    ceiling = max(own_epoch, others[len(others) // 2]) if others else own_epoch
+    kept = {}
+    for subkey, record in records.items():
+        if record.value["epoch"] <= ceiling:
+            kept[subkey] = record
+        elif record.value["epoch"] > ceiling + 1:
+            notes.append(
+                (
+                    f"ignored a claim of step {record.value['epoch']} (most peers are at {ceiling} or below)",
+                    record.value["peer_id"],
+                )
+            )
+    if len(kept) >= 3:
+        rates = sorted(r.value["samples_per_second"] for r in kept.values())
+        rate_cap = THROUGHPUT_FACTOR * rates[len(rates) // 2]
+        share = target / len(kept)
+        bounded = {}
+        for subkey, record in kept.items():
+            value = dict(record.value)
+            rate = min(value["samples_per_second"], rate_cap)
+            samples = min(value["samples_accumulated"], SAMPLES_SLACK * rate * step_seconds + share, target)
+            if rate < value["samples_per_second"] or samples < value["samples_accumulated"]:
+                notes.append(
+                    (
+                        f"capped a claim of {value['samples_accumulated']} samples at "
+                        f"{value['samples_per_second']:.1f} samples/s to {samples:.0f} at {rate:.1f}",
+                        value["peer_id"],
+                    )
+                )
+                value["samples_per_second"], value["samples_accumulated"] = rate, int(samples)
+            bounded[subkey] = type(record)(value, record.expiration_time)
+        kept = bounded
+    return kept, notes

@@ -35,8 +35,7 @@ def weights(checkpoint) -> dict[str, torch.Tensor]:
     return load_model(checkpoint).state_dict()
 
 
-# the default (dpu, tiny) is the clean run of tests/test_robustness.py, which checks the same
-@pytest.mark.parametrize("mode, model", [("lockstep", "tiny"), ("dpu", "tiny-xl")])
+@pytest.mark.parametrize("mode, model", [("dpu", "tiny"), ("lockstep", "tiny"), ("dpu", "tiny-xl")])
 def test_two_trainers_make_global_steps_and_agree(tmp_path, swarm, mode, model):
     run_id, initial_peers = swarm
     # dpu: the default, delayed parameter updates (each peer applies the last update in the background, then the

@@ -455,19 +455,19 @@ class RobustAllReduceRunner(AllReduceRunner):
                 self.tensor_part_reducer.on_sender_failed(index)
         if len(self.active_senders) == len(self.sender_peer_ids):
             self.all_senders_started.set()
-        self.checked = aggregation.rule != "plain"  # plain: hivemind's all-reduce, no checks
-        container = self.tensor_part_container
-        own = [part for parts in container._input_parts_by_peer for part, _ in parts]
-        self._own_norm = math.sqrt(sum(float(part.float().norm()) ** 2 for part in own))
-        self._own_size = max(1, sum(part.numel() for part in own))
-        self._register = container.register_processed_part
-        container.register_processed_part = self._register_checked
+        if aggregation.rule != "plain":  # plain: hivemind's all-reduce, no checks
+            container = self.tensor_part_container
+            own = [part for parts in container._input_parts_by_peer for part, _ in parts]
+            self._own_norm = math.sqrt(sum(float(part.float().norm()) ** 2 for part in own))
+            self._own_size = max(1, sum(part.numel() for part in own))
+            self._register = container.register_processed_part
+            container.register_processed_part = self._register_checked
 
     def _register_checked(self, peer_index: int, part_index: int, delta: torch.Tensor) -> None:
         peer_id = self.ordered_peer_ids[peer_index]
         own, _ = self.tensor_part_container._input_parts_by_peer[peer_index][part_index]
         # a peer whose own part is non-finite (its parameters went bad) cannot judge anyone: it rolls back instead
-        if self.checked and peer_id != self.peer_id and robust.finite(own):
+        if peer_id != self.peer_id and robust.finite(own):
             scale = max(float(own.float().norm()), self._own_norm * math.sqrt(own.numel() / self._own_size))
             why = robust.implausible(delta, scale)
             if why is not None:

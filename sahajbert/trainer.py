@@ -483,7 +483,6 @@ class LastGoodState:
         self.pending_update_timeout = pending_update_timeout
         self.parameters: list[torch.Tensor] = []
         self.optimizer_state: dict | None = None
-        self.rollbacks = 0
 
     def keep_or_roll_back(self) -> bool:
         """After a global step: keep healthy parameters as the new good state (True), or restore the last one."""
@@ -494,7 +493,6 @@ class LastGoodState:
         return False
 
     def roll_back(self, when: str) -> None:
-        self.rollbacks += 1
         logger.warning(f"parameters became non-finite {when}: rolling back to the last good state")
         # every round still running lands first: one that landed after the restore would bring the bad values back
         compat.apply_pending_updates(self.optimizer, self.pending_update_timeout)

@@ -72,7 +72,8 @@ def main() -> None:
         ):
             row = []
             for rule in rules:
-                result = aggregate([bad, *parts[1:]], [1.0] * peers, rule).tensor
+                # the reducer is honest peer 1 (with two peers it holds one of the two contributions)
+                result = aggregate([bad, *parts[1:]], [1.0] * peers, rule, own=1).tensor
                 error = float((result - honest).norm() / honest.norm())
                 row.append("nan" if error != error else f"{error:.3g}")
             print(f"| {attack} | {peers} | " + " | ".join(row) + " |")

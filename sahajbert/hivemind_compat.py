@@ -11,9 +11,11 @@ round. Each function says what it relies on. After a hivemind upgrade, check the
 import asyncio
 import logging
 import math
+import random
 import re
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import AsyncIterator  # noqa: UP035 hivemind's servicer finds streaming RPCs by typing's _name
 
@@ -22,13 +24,17 @@ import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.partition import AllreduceException, TensorPartReducer
+from hivemind.compression import deserialize_torch_tensor
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
-from hivemind.utils.asyncio import as_aiter, azip
+from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip
+from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.streaming import combine_from_streaming
+from hivemind.utils.timed_storage import ValueWithExpiration
 
 from sahajbert import robust
 
@@ -50,6 +56,8 @@ class SwarmPosition:
     target_batch_size: int
     # this peer was matched in advance into the coming gradient all-reduce, which waits for its part
     gradient_round_waiting: bool
+    # hivemind pre-scheduled that all-reduce and is still matching it: a group may yet form around this peer
+    gradient_round_matching: bool
 
 
 def position(optimizer: hivemind.Optimizer) -> SwarmPosition:
@@ -67,7 +75,36 @@ def position(optimizer: hivemind.Optimizer) -> SwarmPosition:
         gradient_round_waiting=scheduled is not None
         and not scheduled.done()
         and scheduled.stage == AveragingStage.AWAITING_TRIGGER,
+        gradient_round_matching=_matching(scheduled),
     )
+
+
+def gradient_rounds_in_background(optimizer: hivemind.Optimizer) -> bool:
+    """`delay_grad_averaging`: a step is announced (`tracker.update_epoch`) as its gradient round starts, not after."""
+    return bool(optimizer.delay_grad_averaging)
+
+
+MATCHING_STAGES = (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
+SETTLE_POLL = 0.1  # seconds between looks at a round's stage
+
+
+def _matching(scheduled: StepControl | None) -> bool:
+    return scheduled is not None and not scheduled.done() and scheduled.stage in MATCHING_STAGES
+
+
+def settle_gradient_round(optimizer: hivemind.Optimizer, timeout: float, interrupted: Callable[[], bool]) -> None:
+    """Wait until the pre-scheduled gradient round (`optimizer.scheduled_grads`) is matched into a group or fails;
+    one still matching after `timeout` seconds (or when `interrupted()`) is cancelled.
+
+    hivemind keeps matching a pre-scheduled round until its deadline, also for a peer that has stopped training: a
+    group formed around it afterwards would wait for a part that never comes, until the all-reduce timeout.
+    """
+    scheduled = optimizer.scheduled_grads
+    deadline = time.monotonic() + timeout
+    while _matching(scheduled) and time.monotonic() < deadline and not interrupted():
+        time.sleep(SETTLE_POLL)
+    if _matching(scheduled):
+        scheduled.cancel()
 
 
 def wait_for_swarm_progress(optimizer: hivemind.Optimizer, timeout: float) -> None:
@@ -231,8 +268,11 @@ def skip_parameter_averaging(optimizer: hivemind.Optimizer) -> None:
     optimizer.average_state_every = NO_STATE_AVERAGING
 
 
-def start_parameter_round(optimizer: hivemind.Optimizer, group_bits: str, wait: float, timeout: float) -> StepControl:
-    """Start one parameter all-reduce that matches only peers under `group_bits` and begins in `wait` seconds.
+def start_parameter_round(
+    optimizer: hivemind.Optimizer, group_bits: str, wait: float, timeout: float, group_size: int | None = None
+) -> StepControl:
+    """Start one parameter all-reduce that matches only peers under `group_bits` and begins in `wait` seconds, or as
+    soon as `group_size` peers are in its group (`GuardedAverager.set_target_group_size`; None: hivemind's).
 
     Relies on: `scheduled_state`/`scheduled_grads` (rounds pre-scheduled for the next step, cancelled while still
     looking for a group: this peer will not make them), `state_averager.set_group_bits` (the matchmaking key),
@@ -247,6 +287,8 @@ def start_parameter_round(optimizer: hivemind.Optimizer, group_bits: str, wait: 
             scheduled.cancel()
     averager = optimizer.state_averager
     averager.set_group_bits(group_bits)
+    if group_size is not None:
+        averager.set_target_group_size(group_size)
     control = averager.schedule_step(
         scheduled_time=get_dht_time() + wait, gather=optimizer.local_epoch, timeout=timeout
     )
@@ -403,7 +445,9 @@ class RobustAccumulator:
         return self
 
     def div_(self, _total_weight: float) -> torch.Tensor:
-        combined = robust.aggregate(self.contributions, self.weights, self.reducer.aggregation)
+        own = self.reducer.own_sender
+        mine = self.senders.index(own) if own in self.senders else None
+        combined = robust.aggregate(self.contributions, self.weights, self.reducer.aggregation, own=mine)
         self.reducer.dropped.update(self.senders[i] for i in combined.dropped)
         self.reducer.outliers.update(self.senders[i] for i in combined.outliers)
         return combined.tensor
@@ -414,8 +458,9 @@ class RobustTensorPartReducer(TensorPartReducer):
     `reset_accumulators`, which hivemind calls for every next part). Keeps each contribution of the current part
     until all have arrived: memory for one part times the group's size, instead of one part."""
 
-    def __init__(self, part_shapes, num_senders: int, aggregation: robust.Aggregation):
+    def __init__(self, part_shapes, num_senders: int, aggregation: robust.Aggregation, own_sender: int | None):
         self.aggregation = aggregation
+        self.own_sender = own_sender  # this peer's index among the senders (None: it sends nothing, an aux peer)
         self.dropped: set[int] = set()  # senders with a non-finite contribution, by index
         self.outliers: set[int] = set()  # senders with a contribution far out of the others' range, by index
         super().__init__(part_shapes, num_senders)
@@ -445,8 +490,12 @@ class RobustAllReduceRunner(AllReduceRunner):
         self.distrusted, self.distrust = distrusted, distrust
         # the reducer hivemind made never runs: marked finished, it does not warn of 0% received when collected
         self.tensor_part_reducer.finished.set()
+        own_sender = self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else None
         self.tensor_part_reducer = RobustTensorPartReducer(
-            tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids), aggregation
+            tuple(part.shape for part in self.parts_for_local_averaging),
+            len(self.sender_peer_ids),
+            aggregation,
+            own_sender,
         )
         for index, peer_id in enumerate(self.sender_peer_ids):
             if peer_id in distrusted and peer_id != self.peer_id:
@@ -471,7 +520,11 @@ class RobustAllReduceRunner(AllReduceRunner):
             scale = max(float(own.float().norm()), self._own_norm * math.sqrt(own.numel() / self._own_size))
             why = robust.implausible(delta, scale)
             if why is not None:
-                self.distrust(peer_id, f"its average for a part of {self.group_id.hex()[:8]}'s round: {why}")
+                self.distrust(
+                    peer_id,
+                    f"its average for a part of {self.group_id.hex()[:8]}'s round: {why}; this peer kept its own "
+                    f"values for that peer's parts",
+                )
                 raise AllreduceException(f"{peer_id} returned an implausible average ({why})")
         self._register(peer_index, part_index, delta)
 
@@ -497,6 +550,7 @@ class RobustAllReduceRunner(AllReduceRunner):
 # seconds a stopping averager waits after its last served all-reduce stream has ended, for the p2p daemon to pass
 # the last chunk on (the daemon stays up with the DHT, but the averager's end of the stream closes at its exit)
 FLUSH_AFTER_SERVING = 0.5
+STATE_SLACK_BYTES = 4096  # per tensor of a downloaded state: its serialized header, beyond 4 bytes per value
 SERVING_WAIT_UNTIMED = 10.0  # seconds to wait for served streams when the averager has no chunk timeout
 
 
@@ -515,24 +569,23 @@ class GuardedAverager:
     """
 
     gate = None  # None: an open run, every caller is served
+    pair_factor = robust.PAIR_FACTOR  # what it averages: gradients (see robust.aggregate on groups of two)
     _rpc_handlers = None
     _stub_type = None
     _hivemind_class: type
 
     def __init__(self, *args, gate=None, aggregation: robust.Aggregation = robust.Aggregation(), **kwargs):
         # set before hivemind starts the averager's process, which gets a copy of them
-        self.gate, self.aggregation = gate, aggregation
+        self.gate, self.aggregation = gate, replace(aggregation, pair_factor=self.pair_factor)
         self._serving = 0  # all-reduce streams this averager is answering (counted in its own process)
         self._distrusted: set[PeerID] = set()  # reducers caught returning implausible averages (in its process)
+        self._state_template: robust.StateTemplate | None = None  # what a downloaded state must match
         super().__init__(*args, **kwargs)
 
     def _distrust(self, peer_id: PeerID, why: str) -> None:
         if peer_id not in self._distrusted:
             self._distrusted.add(peer_id)
-            logger.warning(
-                f"peer {peer_id} is left out of this peer's averaging from now on: {why}; this peer kept its own "
-                f"values for that peer's parts"
-            )
+            logger.warning(f"peer {peer_id} is left out of this peer's averaging from now on: {why}")
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id: bytes | None = None, **kwargs):
         """hivemind's own (averager.py), with RobustAllReduceRunner in place of AllReduceRunner: run the group's
@@ -576,6 +629,87 @@ class GuardedAverager:
                 await asyncio.sleep(0.1)
             await asyncio.sleep(FLUSH_AFTER_SERVING)
         await super()._shutdown(timeout)
+
+    def set_target_group_size(self, size: int | None) -> None:
+        """The group size at which a leader starts its all-reduce at once, without waiting out its matchmaking time
+        (`Matchmaking.target_group_size`, in the averager's process; hivemind's own setters go the same way)."""
+        future = MPFuture()
+        self._outer_pipe.send(("_set_target_group_size", [], dict(size=size, future=future)))
+        future.result()
+
+    async def _set_target_group_size(self, size: int | None, future: MPFuture) -> None:
+        try:
+            self._matchmaking.target_group_size = size
+            future.set_result(None)
+        except Exception as e:
+            if not future.done():
+                future.set_exception(e)
+
+    async def _expect_state(self, template: robust.StateTemplate, future: MPFuture) -> None:
+        self._state_template = template
+        future.set_result(None)
+
+    async def _load_state_from_peers(self, future: MPFuture, timeout: float | None = None) -> None:
+        """hivemind's download of the training state (from the peer that declares the highest priority first), with
+        each state checked against `_state_template` (`robust.state_problem`) before it is taken: a peer that
+        serves a corrupted one is left out from then on, and the next peer is tried. `timeout` bounds each chunk
+        (hivemind's own reading of it)."""
+        chunk_timeout = self.next_chunk_timeout if self.next_chunk_timeout is not None else self.request_timeout
+        template = self._state_template
+        try:
+            key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+            found = await asyncio.get_running_loop().run_in_executor(None, partial(self.dht.get, key, latest=True))
+            sources = found.value if found is not None and isinstance(found.value, dict) else {}
+            ranked = sorted(
+                (
+                    (float(info.value), random.random(), peer)
+                    for peer, info in sources.items()
+                    if isinstance(info, ValueWithExpiration) and isinstance(info.value, int | float)
+                ),
+                reverse=True,
+            )
+            for _, _, peer_bytes in ranked:
+                peer = PeerID(peer_bytes)
+                if peer == self.peer_id or peer in self._distrusted:
+                    continue
+                try:
+                    state = await self._download_state_from(peer, chunk_timeout, template)
+                except Exception as e:
+                    logger.warning(f"could not download the training state from peer {peer}: {e!r}")
+                    continue
+                if state is None:
+                    continue  # that peer does not share its state
+                problem = robust.state_problem(*state, template) if template is not None else None
+                if problem is not None:
+                    self._distrust(peer, f"the training state it served has {problem}; trying the next peer")
+                    continue
+                logger.info(f"downloaded the training state from peer {peer}")
+                future.set_result(state)
+                return
+        finally:
+            if not future.done():
+                future.set_result(None)
+
+    async def _download_state_from(self, peer: PeerID, chunk_timeout: float, template):
+        """One peer's (metadata, tensors), or None if it shares nothing. With a template, a stream larger than the
+        state it describes (4 bytes per value, plus STATE_SLACK_BYTES per tensor) is cut off as corrupted."""
+        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        limit = None if template is None else sum(4 * math.prod(s) + STATE_SLACK_BYTES for s in template.shapes)
+        metadata, tensors, parts, received = None, [], [], 0
+        async for message in aiter_with_timeout(stream, timeout=chunk_timeout):
+            if message.metadata:
+                metadata = self.serializer.loads(message.metadata)
+            received += len(message.tensor_part.buffer)
+            if limit is not None and received > limit:
+                raise ValueError(f"it sent over {limit} bytes, more than this peer's state holds")
+            if message.tensor_part.dtype and parts:  # a new tensor begins: the previous one is complete
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                parts = []
+            parts.append(message.tensor_part)
+        if parts:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        return (metadata, tensors) if metadata else None
 
     @classmethod
     def _get_handle_name(cls, namespace, method_name: str) -> str:
@@ -631,6 +765,27 @@ class GuardedGradientAverager(GuardedAverager, GradientAverager):
 
 class GuardedStateAverager(GuardedAverager, TrainingStateAverager):
     _hivemind_class = TrainingStateAverager
+    pair_factor = robust.PARAMETER_PAIR_FACTOR
+    state_step_ceiling: int | None = None  # the highest step a downloaded state may have (set by GuardedOptimizer)
+
+    def state_template(self) -> robust.StateTemplate:
+        """This peer's own state as it would serve it (`get_current_state`), for checking a downloaded one."""
+        metadata, tensors, _ = self.get_current_state()
+        groups = self.optimizer.param_groups
+        return robust.StateTemplate(
+            shapes=[tuple(tensor.shape) for tensor in tensors],
+            optimizer_metadata=metadata["optimizer_metadata"],
+            keys=list(robust.flat_keys(self.optimizer.state_dict())),
+            max_lr=max(float(group.get("initial_lr", group["lr"])) for group in groups),
+            min_step=self.local_epoch,
+            max_step=self.state_step_ceiling,
+        )
+
+    def load_state_from_peers(self, **kwargs):
+        future = MPFuture()
+        self._outer_pipe.send(("_expect_state", [], dict(template=self.state_template(), future=future)))
+        future.result()
+        return super().load_state_from_peers(**kwargs)
 
 
 def _peer_name(peer: bytes) -> str:
@@ -678,6 +833,13 @@ class GuardedOptimizer(hivemind.Optimizer):
     def __init__(self, *args, gate=None, aggregation: robust.Aggregation = robust.Aggregation(), **kwargs):
         self._gate, self._aggregation = gate, aggregation
         super().__init__(*args, **kwargs)
+
+    def load_state_from_peers(self, **kwargs):
+        # a state from beyond the swarm's step (bounded by BoundedProgressTracker) is refused; a peer that has seen
+        # no other peer yet has no step to hold it to
+        seen_others = self.tracker.global_progress.num_peers > 1
+        self.state_averager.state_step_ceiling = self.tracker.global_epoch + 1 if seen_others else None
+        return super().load_state_from_peers(**kwargs)
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
         return BoundedProgressTracker(

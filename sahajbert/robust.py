@@ -16,6 +16,13 @@ instead combines the contributions with `aggregate`:
   cheaper, and enough against scaled contributions, but a sign-flipped one keeps its full weight;
 - "plain" is hivemind's weighted mean (no checks), for comparison and for runs that trust every peer.
 
+Two contributions have no majority: their median is their mean, and a hostile one decides it. A reducer that holds
+one of the two (`own`) takes its own as the reference and shortens the other's offset from it to `pair_factor` x
+its own norm (by either rule): honest gradients of two batches lie about 1.4x their norm apart (PAIR_FACTOR 3
+leaves them as they are), honest parameters of two peers a few updates apart (PARAMETER_PAIR_FACTOR 0.1). A hostile
+peer then moves a pair's average by at most half that bound per round: not stopped (no rule can tell which of two
+is honest), but bounded.
+
 A receiver also checks what a reducer sends back (`implausible`): a reducer may return anything for its part.
 """
 
@@ -33,6 +40,8 @@ IMPLAUSIBLE_FACTOR = 100.0
 TINY = 1e-12
 OUTLIER_FACTOR = 10.0  # a contribution this many times farther out than the median one is logged as an outlier,
 OUTLIER_SHARE = 10.0  # if also farther from the result than this many times the result's norm
+PAIR_FACTOR = 3.0  # gradients: the other of two contributions stays within this many times the own one's norm of it
+PARAMETER_PAIR_FACTOR = 0.1  # parameters (and optimizer statistics): within a tenth of the own one's norm
 
 
 @dataclass(frozen=True)
@@ -42,12 +51,15 @@ class Aggregation:
     rule: str = "centered_clip"
     tau: float = 1.0
     iterations: int = 3
+    pair_factor: float = PAIR_FACTOR
 
     def __post_init__(self):
         if self.rule not in RULES:
             raise ValueError(f"--aggregation must be one of {', '.join(RULES)}, got {self.rule!r}")
         if not self.tau > 0:
             raise ValueError(f"--clip_tau must be positive, got {self.tau}")
+        if not self.pair_factor > 0:
+            raise ValueError(f"the pair factor must be positive, got {self.pair_factor}")
         if self.iterations < 1:
             raise ValueError(f"--clip_iterations must be at least 1, got {self.iterations}")
 
@@ -67,9 +79,11 @@ class Combined:
     outliers: list[int]
 
 
-def aggregate(contributions: list[torch.Tensor], weights: list[float], how: Aggregation) -> Combined:
-    """Combine one part's contributions. With no finite contribution the result is NaN: receivers (`implausible`)
-    then keep their own part."""
+def aggregate(
+    contributions: list[torch.Tensor], weights: list[float], how: Aggregation, own: int | None = None
+) -> Combined:
+    """Combine one part's contributions; `own`: the index of the reducer's own contribution, if it sent one. With no
+    finite contribution the result is NaN: receivers (`implausible`) then keep their own part."""
     shape = contributions[0].shape
     if how.rule == "plain":
         mean = sum(c.float() * w for c, w in zip(contributions, weights)) / sum(weights)
@@ -82,6 +96,8 @@ def aggregate(contributions: list[torch.Tensor], weights: list[float], how: Aggr
     claimed = torch.tensor([float(weights[i]) for i in keep])
     w = torch.clamp(claimed, max=float(claimed.median()))
     w = w / w.sum()
+    if len(keep) == 2 and own in keep:
+        return _pair(stacked, w, keep, keep.index(own), how.pair_factor, dropped, shape)
     if how.rule == "norm_clip":
         sizes = stacked.norm(dim=1)
         bound = how.tau * float(sizes.median())
@@ -100,6 +116,20 @@ def aggregate(contributions: list[torch.Tensor], weights: list[float], how: Aggr
     # update applied) make the median distance about 0, and every other peer would look far out of it
     bound = max(OUTLIER_FACTOR * float(sizes.median()), OUTLIER_SHARE * float(combined.norm()))
     outliers = [keep[j] for j in range(len(keep)) if len(keep) > 2 and float(sizes[j]) > bound]
+    return Combined(combined.reshape(shape), dropped, outliers)
+
+
+def _pair(stacked, w, keep: list[int], mine: int, factor: float, dropped: list[int], shape) -> Combined:
+    """Two contributions, one of them the reducer's own (row `mine`): the other's offset from it is shortened to
+    `factor` x the own one's norm, then the two are averaged by weight; the other is an outlier if it was shortened
+    to less than a tenth (1 / OUTLIER_FACTOR) of its offset."""
+    other = 1 - mine
+    offset = stacked[other] - stacked[mine]
+    bound = factor * float(stacked[mine].norm())
+    distance = float(offset.norm())
+    scale = min(1.0, bound / max(distance, TINY))
+    combined = stacked[mine] + w[other] * scale * offset
+    outliers = [keep[other]] if distance > OUTLIER_FACTOR * bound else []
     return Combined(combined.reshape(shape), dropped, outliers)
 
 
@@ -187,3 +217,78 @@ def plausible_progress(
             bounded[subkey] = type(record)(value, record.expiration_time)
         kept = bounded
     return kept, notes
+
+
+# ---- a downloaded state: what a peer accepts from the peer it downloads the training state from ----
+
+# optimizer values that differ between honest peers: the learning rate follows the step (at most its peak), step
+# counters grow; every other value (hyperparameters, parameter ids) must equal this peer's own
+LR_KEY, STEP_KEY = "lr", "step"
+
+
+@dataclass
+class StateTemplate:
+    """This peer's own training state, as hivemind serves it (`TrainingStateAverager.get_current_state`): a
+    downloaded state must have the same tensors and optimizer structure, and a plausible step."""
+
+    shapes: list[tuple[int, ...]]  # parameters, extra tensors, then optimizer statistics
+    optimizer_metadata: list[dict]  # hivemind's flat optimizer metadata (`dump_optimizer_state`)
+    keys: list  # the state_dict key each metadata entry sits under (`flat_keys`)
+    max_lr: float  # the highest learning rate the schedule reaches (each group's initial_lr, or lr)
+    min_step: int  # this peer's own step: hivemind never loads an older state
+    max_step: int | None  # the swarm's step + 1 (None: this peer has no view of the swarm yet)
+
+
+def flat_keys(tree, key=None):
+    """The dict key above each leaf of `tree`, in the order of hivemind's `nested_flatten` (dict items sorted)."""
+    if isinstance(tree, list | tuple):
+        for item in tree:
+            yield from flat_keys(item, key)
+    elif isinstance(tree, dict):
+        for name, value in sorted(tree.items()):
+            yield from flat_keys(value, name)
+    else:
+        yield key
+
+
+def _plain(value):
+    """Tuples and lists alike (the state travels as msgpack, which has one array type)."""
+    return [_plain(v) for v in value] if isinstance(value, list | tuple) else value
+
+
+def _number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def state_problem(metadata, tensors, template: StateTemplate) -> str | None:
+    """Why a downloaded state (hivemind's metadata dict and flat tensors) must not be loaded, or None."""
+    if not isinstance(metadata, dict) or not isinstance(metadata.get("epoch"), int):
+        return "no step in its metadata"
+    step = metadata["epoch"]
+    if step < template.min_step or (template.max_step is not None and step > template.max_step):
+        return f"its step {step} is outside {template.min_step}..{template.max_step}"
+    if len(tensors) != len(template.shapes):
+        return f"{len(tensors)} tensors where this peer's state has {len(template.shapes)}"
+    for index, (tensor, shape) in enumerate(zip(tensors, template.shapes)):
+        if tuple(tensor.shape) != tuple(shape):
+            return f"tensor {index} has shape {tuple(tensor.shape)}, not {tuple(shape)}"
+        if tensor.is_floating_point() and not finite(tensor):
+            return f"tensor {index} has non-finite values"
+    entries = metadata.get("optimizer_metadata")
+    if not isinstance(entries, list) or len(entries) != len(template.optimizer_metadata):
+        return "its optimizer metadata does not match this peer's optimizer"
+    for entry, own, key in zip(entries, template.optimizer_metadata, template.keys):
+        if not isinstance(entry, dict) or entry.get("type") != own["type"]:
+            return f"its optimizer metadata differs at '{key}'"
+        if own["type"] == "tensor":
+            if entry.get("index") != own["index"]:
+                return f"its optimizer metadata differs at '{key}'"
+        elif key == LR_KEY:
+            if not (_number(entry.get("value")) and 0 <= entry["value"] <= template.max_lr * (1 + 1e-6)):
+                return f"learning rate {entry.get('value')!r} outside 0..{template.max_lr:g}"
+        elif key == STEP_KEY:
+            if not (_number(entry.get("value")) and entry["value"] >= 0):
+                return f"optimizer step {entry.get('value')!r} is not a count"
+        elif _plain(entry.get("value")) != _plain(own.get("value")):
+            return f"optimizer setting '{key}' is {entry.get('value')!r}, not {own.get('value')!r}"
+    return None

@@ -9,6 +9,8 @@ from sahajbert import hivemind_compat as compat
 from sahajbert.hivemind_compat import SwarmPosition
 
 logger = logging.getLogger(__name__)
+# seconds a peer waits for a fresh read of the swarm's progress before a global step it would start or the final round
+FRESH_READ_TIMEOUT = 10.0
 FINAL_GROUP_BITS = "1"  # the final round's own matchmaking key: it never pairs with another peer's regular round
 
 
@@ -38,6 +40,35 @@ def should_stop(position: SwarmPosition, max_steps: int | None) -> bool:
     return swarm_reached(position, max_steps) and not position.gradient_round_waiting
 
 
+def joins_last_step(
+    before_pass: SwarmPosition, now: SwarmPosition, max_steps: int | None, rounds_in_background: bool
+) -> bool:
+    """Another peer's step took the swarm to the last step during this peer's pass, which began level with it.
+
+    With gradient rounds in the background (delayed updates) a peer announces its step as the round starts: this
+    peer's samples counted toward that step, and the other peer's round keeps looking for a group until the round
+    timeout after its step, so this peer makes the step too, in that round (stopping instead left the other alone in
+    it until that timeout, then stepping with its own gradients). In lockstep the step is announced after its round
+    has ended. A peer whose step lagged before the pass (`swarm_reached`) stops as before.
+    """
+    return (
+        rounds_in_background
+        and max_steps is not None
+        and before_pass.swarm_step <= before_pass.local_step == now.local_step < max_steps
+        and now.swarm_step == now.local_step + 1 == max_steps
+    )
+
+
+def should_settle(position: SwarmPosition, max_steps: int | None) -> bool:
+    """The swarm reached --max_steps while this peer's gradient round for that step is still being matched.
+
+    Another peer's step can take the swarm to the last step before hivemind has matched the round it pre-scheduled
+    here; stopping at once would leave the group that then forms around this peer waiting for its part. Settle the
+    round first (`compat.settle_gradient_round`): once matched, `should_stop` makes the peer take that step too.
+    """
+    return swarm_reached(position, max_steps) and position.gradient_round_matching
+
+
 def last_step_is_next(position: SwarmPosition, max_steps: int | None) -> bool:
     """The coming global step is the run's last (hivemind numbers it one past the higher of both steps)."""
     return max_steps is not None and max(position.local_step + 1, position.swarm_step) >= max_steps
@@ -53,8 +84,10 @@ class FinalRound:
     The round matches under its own key and the last global step makes no regular parameter round (see the
     trainer), so a slower peer's regular round, triggered late, never pairs with it and gives partial results.
 
-    Once started the round always waits out its window: the progress tracker cannot tell whether another peer is
-    still coming, since hivemind stops reporting a peer that caught up by downloading the state at the last step.
+    The round starts before its window ends once its group holds as many peers as the swarm had at this peer's last
+    step or has now, whichever is more (a run's end then takes seconds, not a window, when every peer is there).
+    Otherwise it waits out its window: the progress tracker cannot tell whether another peer is still coming, since
+    hivemind stops reporting a peer that caught up by downloading the state at the last step.
     """
 
     def __init__(self, window: float, client_mode: bool, averaging_timeout: float):
@@ -72,12 +105,16 @@ class FinalRound:
 
     def run(self, optimizer: hivemind.Optimizer, last_step_peers: int) -> int:
         """Average parameters with the peers that finish within the window; how many took part (0: none joined)."""
-        if not self.needed(compat.position(optimizer).peers, last_step_peers):
+        compat.read_progress_now(optimizer, FRESH_READ_TIMEOUT)
+        peers_now = compat.position(optimizer).peers
+        if not self.needed(peers_now, last_step_peers):
             return 0
+        expected = max(peers_now, last_step_peers)
         logger.info(
-            f"averaging parameters with the peers that finish within {self.window:.0f} s, for a common final model"
+            f"averaging parameters with the peers that finish within {self.window:.0f} s, for a common final model "
+            f"(at once when all {expected} are there)"
         )
-        control = compat.start_parameter_round(optimizer, FINAL_GROUP_BITS, self.wait, self.timeout)
+        control = compat.start_parameter_round(optimizer, FINAL_GROUP_BITS, self.wait, self.timeout, expected)
         deadline = time.monotonic() + self.timeout + 5.0  # seconds: the round's own timeout ends it first
         while not control.done() and time.monotonic() < deadline:
             time.sleep(0.5)

@@ -25,7 +25,15 @@ from sahajbert.devices import DeviceInfo, choose_precision, describe_device
 from sahajbert.model import build_model
 from sahajbert.optim import build_collaborative_optimizer, is_finite
 from sahajbert.signals import StopNow, StopRequest
-from sahajbert.stopping import FinalRound, last_step_is_next, pending_update_timeout, should_stop
+from sahajbert.stopping import (
+    FRESH_READ_TIMEOUT,
+    FinalRound,
+    joins_last_step,
+    last_step_is_next,
+    pending_update_timeout,
+    should_settle,
+    should_stop,
+)
 from sahajbert.stream import Prefetcher, batched, iterate_examples
 from sahajbert.swarm import SwarmPeer, validate_initial_peers
 from sahajbert.tokenization import load_tokenizer
@@ -35,8 +43,9 @@ logger = logging.getLogger(__name__)
 # seconds a stopping peer waits for a background round to land before its last checkpoint (a stop is due within
 # signals.FORCE_AFTER seconds)
 STOP_PENDING_WAIT = 5.0
-# seconds a peer waits for its fresh read of the swarm's progress before a global step it would start
-FRESH_READ_TIMEOUT = 10.0
+# matchmaking times a peer that would stop waits for its last gradient round to be matched or fail (the leader's
+# matchmaking time counts from the leader's step, which came first)
+SETTLE_MATCHMAKING_TIMES = 2
 
 
 @dataclass
@@ -191,11 +200,12 @@ class TrainerPeer(SwarmPeer):
         try:
             # an invite the organizer no longer renews ends this peer's part: checkpoint, then leave with one line
             while not (stop or self._should_stop() or self.access_lost):
+                before_pass = compat.position(self.optimizer)
                 pass_loss = self._forward_backward()
                 if pass_loss is None:
                     continue  # non-finite loss or gradients: this pass was dropped, nothing was sent
-                if self._should_stop():
-                    break  # the swarm got there during this pass, in a round without us: do not step alone
+                if self._should_stop(before_pass):
+                    break  # the swarm got there in a round without us: do not step alone
                 host_changed = self._step(pass_loss)
                 if self.optimizer.local_epoch != self.last_step:
                     self._after_global_step()
@@ -210,8 +220,17 @@ class TrainerPeer(SwarmPeer):
         self.check_access()
         return result
 
-    def _should_stop(self) -> bool:
-        return should_stop(compat.position(self.optimizer), self.args.training_args.max_steps)
+    def _should_stop(self, before_pass: compat.SwarmPosition | None = None) -> bool:
+        """Whether to stop now; `before_pass`: where things stood when the pass just computed began."""
+        max_steps = self.args.training_args.max_steps
+        position = compat.position(self.optimizer)
+        in_background = compat.gradient_rounds_in_background(self.optimizer)
+        if before_pass is not None and joins_last_step(before_pass, position, max_steps, in_background):
+            return False
+        if should_settle(position, max_steps):
+            timeout = SETTLE_MATCHMAKING_TIMES * self.timing.matchmaking_time
+            compat.settle_gradient_round(self.optimizer, timeout, interrupted=lambda: bool(self.stop))
+        return should_stop(compat.position(self.optimizer), max_steps)
 
     def _forward_backward(self) -> float | None:
         """One pass (gradient accumulation included); its loss, or None if it was dropped as non-finite."""

@@ -1,5 +1,6 @@
 """Settings shared by the integration tests; the process handling itself is the library's (sahajbert.localswarm)."""
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -93,3 +94,19 @@ def start_peer(
         str(tmp_path / name),
     ]
     return PeerProcess(script(name_of_script), [*args, *extra], tmp_path / f"{name}.log", python=python)
+
+
+@contextlib.contextmanager
+def loopback_dhts(count: int):
+    """`count` real hivemind DHT peers in this process on 127.0.0.1, joined through the first; shut down after."""
+    import hivemind
+
+    host_maddrs = LOOPBACK[1:]
+    dhts = [hivemind.DHT(start=True, host_maddrs=host_maddrs)]
+    try:
+        for _ in range(count - 1):
+            dhts.append(hivemind.DHT(start=True, host_maddrs=host_maddrs, initial_peers=dhts[0].get_visible_maddrs()))
+        yield dhts
+    finally:
+        for dht in reversed(dhts):
+            dht.shutdown()

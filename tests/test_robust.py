@@ -1,12 +1,23 @@
 """Robust aggregation and bounded progress claims, on tensors and records shaped like hivemind's."""
 
 import math
+import time
 
 import pytest
 import torch
 from hivemind.utils import ValueWithExpiration
 
-from sahajbert.robust import THROUGHPUT_FACTOR, Aggregation, aggregate, implausible, plausible_progress
+from sahajbert.robust import (
+    PAIR_FACTOR,
+    PARAMETER_PAIR_FACTOR,
+    THROUGHPUT_FACTOR,
+    Aggregation,
+    aggregate,
+    implausible,
+    plausible_progress,
+)
+
+from .swarm_helpers import loopback_dhts
 
 
 def honest(count: int, size: int = 1000, seed: int = 0) -> list[torch.Tensor]:
@@ -68,8 +79,38 @@ def test_two_contributions_are_averaged_and_none_finite_gives_nan():
     assert nothing.dropped == [0, 1] and torch.isnan(nothing.tensor).all()
 
 
+def test_two_honest_gradients_are_averaged_by_the_reducer_that_holds_one():
+    generator = torch.Generator().manual_seed(1)
+    signal = torch.randn(1000, generator=generator)
+    # two batches' gradients: a shared signal and each batch's own noise, of about the signal's size
+    a, b = (signal + torch.randn(1000, generator=generator) * s for s in (1.0, 1.5))
+    for own in (0, 1):
+        combined = aggregate([a, b], [8.0, 8.0], Aggregation(), own=own)
+        assert torch.allclose(combined.tensor, (a + b) / 2) and combined.outliers == []
+
+
+@pytest.mark.parametrize("attack", ["scaled", "sign_flipped", "nan"])
+@pytest.mark.parametrize("factor", [PAIR_FACTOR, PARAMETER_PAIR_FACTOR])
+def test_a_hostile_peer_moves_a_pair_by_at_most_half_the_bound(attack, factor):
+    own = honest(1)[0]
+    bad = {"scaled": 1e4 * own, "sign_flipped": -3 * own, "nan": torch.full_like(own, float("nan"))}[attack]
+    how = Aggregation(pair_factor=factor)
+    for rule in ("centered_clip", "norm_clip"):
+        combined = aggregate([bad, own], [1e9, 8.0], Aggregation(rule, pair_factor=factor), own=1)
+        moved = float((combined.tensor - own).norm())
+        assert moved <= factor / 2 * float(own.norm()) * 1.0001, (rule, moved)
+    combined = aggregate([bad, own], [1e9, 8.0], how, own=1)
+    if attack == "nan":
+        assert combined.dropped == [0]
+    else:  # logged as outlying when shortened to under a tenth of its offset
+        far = float((bad - own).norm()) > 10 * factor * float(own.norm())
+        assert combined.outliers == ([0] if far else [])
+    # without the reducer's own contribution (an aux peer reduces) the pair is averaged as before
+    assert torch.allclose(aggregate([own, 2 * own], [1.0, 1.0], how).tensor, 1.5 * own)
+
+
 def test_bad_settings_are_refused():
-    for bad in (dict(rule="median"), dict(tau=0.0), dict(iterations=0)):
+    for bad in (dict(rule="median"), dict(tau=0.0), dict(iterations=0), dict(pair_factor=0.0)):
         with pytest.raises(ValueError):
             Aggregation(**bad)
 
@@ -124,3 +165,183 @@ def test_inflated_samples_and_throughput_are_capped():
     assert kept[b"a"].value["samples_accumulated"] == 20  # honest claims are untouched
     assert ("capped", b"x") in [(note.split()[0], peer) for note, peer in notes]
     assert any("invalid" in note for note, _ in notes)
+
+
+def test_a_hostile_peer_in_a_pair_cannot_take_over_the_parameters():
+    # two real state averagers on loopback, one holding x1e4 parameters: the honest peer's reducer bounds that
+    # contribution to its own part, and the x1e4 average the other reducer returns is refused by the honest receiver
+    from functools import partial
+    from types import SimpleNamespace
+
+    from sahajbert import hivemind_compat as compat
+    from sahajbert.stopping import FINAL_GROUP_BITS
+
+    start = torch.randn(20000, generator=torch.Generator().manual_seed(0))
+    peers = []
+    with loopback_dhts(2) as dhts:
+        try:
+            for scale, dht in zip((1.0, 1e4), dhts):
+                parameters = [torch.nn.Parameter(scale * start.clone())]
+                averager = compat.GuardedStateAverager(
+                    dht=dht,
+                    optimizer=partial(torch.optim.SGD, lr=0.1),
+                    params=parameters,
+                    prefix="pair",
+                    min_matchmaking_time=1.0,
+                    start=True,
+                )
+                optimizer = SimpleNamespace(local_epoch=0, scheduled_state=None, scheduled_grads=None)
+                optimizer.state_averager = averager
+                peers.append((parameters, optimizer))
+            rounds = [compat.start_parameter_round(opt, FINAL_GROUP_BITS, 60, 120, group_size=2) for _, opt in peers]
+            for control in rounds:  # the round ran, with both peers
+                assert len(control.result(timeout=60)) == 2
+            (parameters, optimizer), _ = peers
+            assert compat.apply_pending_updates(optimizer, timeout=30)
+            moved = float((parameters[0].detach() - start).norm())
+            # (0 when the x1e4 peer reduced every part: its averages were all refused)
+            assert moved <= PARAMETER_PAIR_FACTOR / 2 * float(start.norm()), moved
+        finally:
+            for _, optimizer in peers:
+                optimizer.state_averager.shutdown()
+
+
+# ---- a downloaded training state ----
+
+
+def lamb_peer(steps: int, seed: int = 0):
+    """A small model under LAMB on sahajBERT's warmup schedule after `steps` optimizer steps, its statistics
+    initialized as hivemind's state averager does; with its state as a peer serves it (metadata, tensors)."""
+    from hivemind.optim.state_averager import dump_optimizer_state, initialize_optimizer_state_
+
+    from sahajbert.optim import Lamb, lr_at_step
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    optimizer = Lamb(model.parameters(), lr=0.01, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at_step(step, 1.0, 4, 100))
+    initialize_optimizer_state_(optimizer)
+    for _ in range(steps):
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        schedule.step()
+    opt_metadata, opt_tensors = dump_optimizer_state(optimizer)
+    tensors = [p.detach().clone() for p in model.parameters()] + opt_tensors
+    return optimizer, dict(epoch=steps, group_bits="", optimizer_metadata=opt_metadata), tensors
+
+
+def template_of(optimizer, metadata, tensors, max_step):
+    from sahajbert.robust import StateTemplate, flat_keys
+
+    return StateTemplate(
+        shapes=[tuple(t.shape) for t in tensors],
+        optimizer_metadata=metadata["optimizer_metadata"],
+        keys=list(flat_keys(optimizer.state_dict())),
+        max_lr=max(g.get("initial_lr", g["lr"]) for g in optimizer.param_groups),
+        min_step=metadata["epoch"],
+        max_step=max_step,
+    )
+
+
+def corrupt(metadata, tensors, keys, how):
+    import copy
+
+    metadata, tensors = copy.deepcopy(metadata), [t.clone() for t in tensors]
+    settings = {"a huge learning rate": ("lr", 1e3), "another weight decay": ("weight_decay", 10.0)}
+    if how == "nan parameters":
+        tensors[0].fill_(float("nan"))
+    elif how == "inf statistics":
+        tensors[-1].fill_(float("inf"))
+    elif how == "a tensor missing":
+        tensors.pop()
+    elif how == "another shape":
+        tensors[0] = torch.zeros(9, 8)
+    elif how == "a step far ahead":
+        metadata["epoch"] = 10**6
+    else:
+        name, value = settings[how]
+        for entry, key in zip(metadata["optimizer_metadata"], keys):
+            if key == name:
+                entry["value"] = value
+    return metadata, tensors
+
+
+def test_an_honest_state_from_a_peer_further_on_is_accepted():
+    from sahajbert.robust import state_problem
+
+    newcomer, own_metadata, own_tensors = lamb_peer(0, seed=1)  # a newcomer: its statistics are zeros
+    _, metadata, tensors = lamb_peer(6)  # a peer 6 steps on, past warmup: another learning rate, grown statistics
+    assert state_problem(metadata, tensors, template_of(newcomer, own_metadata, own_tensors, max_step=7)) is None
+
+
+@pytest.mark.parametrize(
+    "how, reason",
+    [
+        ("nan parameters", "tensor 0 has non-finite values"),
+        ("inf statistics", "non-finite values"),
+        ("a tensor missing", "tensors where this peer's state has"),
+        ("another shape", "tensor 0 has shape (9, 8)"),
+        ("a step far ahead", "its step 1000000 is outside 0..7"),
+        ("a huge learning rate", "learning rate 1000.0 outside 0..0.01"),
+        ("another weight decay", "optimizer setting 'weight_decay' is 10.0, not 0.01"),
+    ],
+)
+def test_a_corrupted_state_is_refused_with_its_reason(how, reason):
+    from sahajbert.robust import flat_keys, state_problem
+
+    newcomer, own_metadata, own_tensors = lamb_peer(0, seed=1)
+    peer, metadata, tensors = lamb_peer(6)
+    template = template_of(newcomer, own_metadata, own_tensors, max_step=7)
+    problem = state_problem(*corrupt(metadata, tensors, list(flat_keys(peer.state_dict())), how), template)
+    assert problem is not None and reason in problem, (how, problem)
+
+
+def test_a_newcomer_refuses_a_corrupted_state_and_downloads_the_next_peers():
+    # real state averagers on loopback: an honest peer and, first in line (a higher priority), one serving NaN
+    # parameters; the newcomer takes the honest state, while hivemind's plain averager (the control) takes the NaN one
+    from functools import partial
+
+    from hivemind.optim.state_averager import TrainingStateAverager
+
+    from sahajbert import hivemind_compat as compat
+
+    honest_values = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    averagers = []
+    with loopback_dhts(4) as dhts:
+
+        def peer(kind, dht, values, epoch, priority=None):
+            averager = kind(
+                dht=dht,
+                optimizer=partial(torch.optim.SGD, lr=0.1, momentum=0.9),
+                params=[torch.nn.Parameter(values.clone())],
+                prefix="state",
+                allow_state_sharing=priority is not None,
+                start=True,
+            )
+            averager.local_epoch = epoch
+            if priority is not None:
+                averager.state_sharing_priority = priority
+            averagers.append(averager)
+            return averager
+
+        try:
+            peer(compat.GuardedStateAverager, dhts[0], honest_values, epoch=3, priority=1.0)
+            peer(compat.GuardedStateAverager, dhts[1], torch.full((1000,), float("nan")), epoch=3, priority=10.0)
+            newcomer = peer(compat.GuardedStateAverager, dhts[2], torch.zeros(1000), epoch=0)
+            newcomer.state_step_ceiling = 4  # as GuardedOptimizer sets it from the swarm's step
+            control = peer(TrainingStateAverager, dhts[3], torch.zeros(1000), epoch=0)
+            deadline = time.monotonic() + 120  # until both sharing peers have declared themselves in the DHT
+            found = None
+            while time.monotonic() < deadline and not (found is not None and len(found.value) == 2):
+                time.sleep(0.2)
+                found = dhts[0].get("state.all_averagers", latest=True)
+            assert found is not None and len(found.value) == 2, found
+            control.load_state_from_peers(timeout=30)
+            assert torch.isnan(control.main_parameters[0]).all(), "hivemind alone loads the first peer's NaN state"
+            newcomer.load_state_from_peers(timeout=30)
+            assert torch.equal(newcomer.main_parameters[0].detach(), honest_values)
+            assert newcomer.local_epoch == 3
+        finally:
+            for averager in averagers:
+                averager.shutdown()

@@ -7,6 +7,7 @@ its pre-scheduled rounds and its state averager. Our own code runs unchanged on 
 import threading
 import time
 from concurrent.futures import Future
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +15,16 @@ from hivemind.averaging.control import AveragingStage
 from hivemind.utils import get_dht_time
 
 from sahajbert import hivemind_compat as compat
-from sahajbert.stopping import FINAL_GROUP_BITS, FinalRound, last_step_is_next, should_stop
+from sahajbert.stopping import (
+    FINAL_GROUP_BITS,
+    FinalRound,
+    joins_last_step,
+    last_step_is_next,
+    should_settle,
+    should_stop,
+)
+
+from .swarm_helpers import loopback_dhts
 
 
 class StandInControl(Future):
@@ -38,6 +48,9 @@ class StandInAverager:
     def set_group_bits(self, bits):
         self.calls.append(("set_group_bits", bits))
 
+    def set_target_group_size(self, size):
+        self.calls.append(("set_target_group_size", size))
+
     def schedule_step(self, scheduled_time, gather, timeout):
         self.calls.append(("schedule_step", scheduled_time - get_dht_time(), gather, timeout))
         self.control = StandInControl()
@@ -58,14 +71,21 @@ class StandInAverager:
         threading.Thread(target=finish, daemon=True).start()
 
 
+class StandInTracker:
+    """Like hivemind's ProgressTracker: its fetcher reads the swarm's progress when woken (global_state_updated)."""
+
+    def __init__(self, swarm, peers):
+        self.global_epoch = swarm
+        self.global_progress = SimpleNamespace(num_peers=peers, samples_accumulated=0, target_batch_size=64)
+        self.fetched_global_progress_this_epoch = threading.Event()
+        self.global_state_updated = SimpleNamespace(set=self.fetched_global_progress_this_epoch.set)
+
+
 def stand_in_optimizer(local=0, swarm=0, peers=1, gradient_stage=None, averager=None):
     scheduled_grads = None if gradient_stage is None else StandInControl(gradient_stage)
     return SimpleNamespace(
         local_epoch=local,
-        tracker=SimpleNamespace(
-            global_epoch=swarm,
-            global_progress=SimpleNamespace(num_peers=peers, samples_accumulated=0, target_batch_size=64),
-        ),
+        tracker=StandInTracker(swarm, peers),
         scheduled_grads=scheduled_grads,
         scheduled_state=None,
         state_averager=averager or StandInAverager(),
@@ -94,6 +114,55 @@ def test_a_finished_gradient_round_holds_nobody_back():
     assert should_stop(compat.position(optimizer), max_steps=5)
 
 
+@pytest.mark.parametrize(
+    "before, now, background, joins",
+    [
+        ((4, 4), (4, 5), True, True),  # another peer began the last step during this pass: its round waits for us
+        ((4, 4), (4, 5), False, False),  # lockstep: that step was announced after its round ended
+        ((4, 5), (4, 5), True, False),  # this peer lagged before the pass (a label one lower): stop on the swarm's
+        ((3, 3), (3, 4), True, False),  # not the last step: the loop goes on anyway, nothing to decide
+        ((5, 5), (5, 6), True, False),  # this peer is already at --max_steps
+    ],
+)
+def test_a_peer_whose_pass_was_under_way_makes_the_last_step_with_the_others(before, now, background, joins):
+    def at(steps):
+        return compat.position(stand_in_optimizer(local=steps[0], swarm=steps[1]))
+
+    assert joins_last_step(at(before), at(now), 5, rounds_in_background=background) is joins
+    assert not joins_last_step(at(before), at(now), None, rounds_in_background=background)
+
+
+@pytest.mark.parametrize(
+    "stage, settles",
+    [(AveragingStage.LOOKING_FOR_GROUP, True), (AveragingStage.IDLE, True), (AveragingStage.AWAITING_TRIGGER, False)],
+)
+def test_a_last_round_still_being_matched_is_settled_before_stopping(stage, settles):
+    assert should_settle(compat.position(stand_in_optimizer(local=4, swarm=5, gradient_stage=stage)), 5) is settles
+    assert not should_settle(compat.position(stand_in_optimizer(local=3, swarm=3, gradient_stage=stage)), 5)
+    assert not should_settle(compat.position(stand_in_optimizer(local=4, swarm=5)), 5)
+
+
+def test_a_peer_matched_while_it_settles_makes_the_last_step():
+    optimizer = stand_in_optimizer(local=4, swarm=5, gradient_stage=AveragingStage.LOOKING_FOR_GROUP)
+
+    def group_forms():  # hivemind's matchmaking runs in the averager's process and moves the stage on
+        time.sleep(0.3)
+        optimizer.scheduled_grads.stage = AveragingStage.AWAITING_TRIGGER
+
+    threading.Thread(target=group_forms, daemon=True).start()
+    compat.settle_gradient_round(optimizer, timeout=60, interrupted=lambda: False)
+    assert not optimizer.scheduled_grads.cancelled()
+    assert should_stop(compat.position(optimizer), max_steps=5) is False
+
+
+@pytest.mark.parametrize("interrupted", [False, True])
+def test_a_round_still_unmatched_when_settling_ends_is_cancelled(interrupted):
+    optimizer = stand_in_optimizer(local=4, swarm=5, gradient_stage=AveragingStage.LOOKING_FOR_GROUP)
+    compat.settle_gradient_round(optimizer, timeout=60 if interrupted else 0.3, interrupted=lambda: interrupted)
+    assert optimizer.scheduled_grads.cancelled()  # no group can form later around a part this peer will not send
+    assert should_stop(compat.position(optimizer), max_steps=5)
+
+
 @pytest.mark.parametrize("local, swarm, expected", [(3, 3, False), (4, 4, True), (3, 5, True), (0, 0, False)])
 def test_the_last_step_is_known_in_advance(local, swarm, expected):
     assert last_step_is_next(compat.position(stand_in_optimizer(local=local, swarm=swarm)), max_steps=5) is expected
@@ -114,11 +183,12 @@ def test_the_final_round_averages_under_its_own_key_and_adopts_the_highest_step(
     final_round = FinalRound(window=2.0, client_mode=client_mode, averaging_timeout=3.0)
     assert final_round.run(optimizer, last_step_peers=2) == 2
     assert averager.calls[0] == ("set_group_bits", FINAL_GROUP_BITS)
-    name, waits, gathered, timeout = averager.calls[1]
+    assert averager.calls[1] == ("set_target_group_size", 2), "it starts once the two peers are in its group"
+    name, waits, gathered, timeout = averager.calls[2]
     # a client-mode peer waits twice the window, so that it can follow a leader that comes up to a window later
     assert name == "schedule_step" and waits == pytest.approx(wait, abs=0.5) and gathered == 5
     assert timeout == wait + 3.0
-    assert averager.calls[2] == ("step", True, True) and averager.sync_epoch_when_averaging
+    assert averager.calls[3] == ("step", True, True) and averager.sync_epoch_when_averaging
     assert optimizer.scheduled_grads.cancelled(), "a round still looking for a group is one this peer will not make"
     assert not optimizer.scheduled_state.cancelled(), "a matched round is left to finish"
 
@@ -142,3 +212,38 @@ def test_pending_updates_are_waited_for_until_they_land_or_time_runs_out():
     optimizer = stand_in_optimizer(averager=StandInAverager(pending_rounds=1, rounds_land=False))
     assert not compat.apply_pending_updates(optimizer, timeout=0.2)
     assert compat.has_pending_updates(optimizer)
+
+
+def test_a_final_round_starts_once_every_expected_peer_is_in_its_group():
+    # two real state averagers (hivemind processes) on loopback; a window far longer than the test waits: only a
+    # group that starts when it is full can finish in time
+    import torch
+
+    window = 600.0
+    peers = []
+    with loopback_dhts(2) as dhts:
+        try:
+            for index, dht in enumerate(dhts):
+                # two peers' parameters a few updates apart
+                parameters = [torch.nn.Parameter(torch.linspace(1.0, 2.0, 4) + 0.01 * index)]
+                averager = compat.GuardedStateAverager(
+                    dht=dht,
+                    optimizer=partial(torch.optim.SGD, lr=0.1),
+                    params=parameters,
+                    prefix="ending",
+                    min_matchmaking_time=1.0,
+                    start=True,
+                )
+                peers.append((parameters, averager, stand_in_optimizer(local=3 + index, averager=averager)))
+            controls = [
+                compat.start_parameter_round(optimizer, FINAL_GROUP_BITS, window, window + 60, group_size=2)
+                for _, _, optimizer in peers
+            ]
+            for control in controls:
+                assert sorted(control.result(timeout=window / 4).values()) == [3, 4]
+            for parameters, _, optimizer in peers:
+                compat.apply_pending_updates(optimizer, timeout=30)
+                assert torch.allclose(parameters[0].detach(), torch.linspace(1.0, 2.0, 4) + 0.005)
+        finally:
+            for _, averager, _ in peers:
+                averager.shutdown()

@@ -651,8 +651,9 @@ class GuardedAverager:
 
     async def _load_state_from_peers(self, future: MPFuture, timeout: float | None = None) -> None:
         """hivemind's download of the training state (from the peer that declares the highest priority first), with
-        each state checked against `_state_template` (`robust.state_problem`) before it is taken: a peer that
-        serves a corrupted one is left out from then on, and the next peer is tried. `timeout` bounds each chunk
+        each state checked against `_state_template` before it is taken: a peer that serves a corrupted one
+        (`robust.state_problem`) is left out from then on, and one whose step is out of range
+        (`robust.step_out_of_range`) skipped; the next peer is tried. `timeout` bounds each chunk
         (hivemind's own reading of it)."""
         chunk_timeout = self.next_chunk_timeout if self.next_chunk_timeout is not None else self.request_timeout
         template = self._state_template
@@ -679,9 +680,12 @@ class GuardedAverager:
                     continue
                 if state is None:
                     continue  # that peer does not share its state
+                if template is not None and (why := robust.step_out_of_range(state[0], template)):
+                    logger.warning(f"skipped the training state of peer {peer}: {why}; trying the next peer")
+                    continue
                 problem = robust.state_problem(*state, template) if template is not None else None
                 if problem is not None:
-                    self._distrust(peer, f"the training state it served has {problem}; trying the next peer")
+                    self._distrust(peer, f"the training state it served was refused ({problem})")
                     continue
                 logger.info(f"downloaded the training state from peer {peer}")
                 future.set_result(state)

@@ -260,13 +260,21 @@ def _number(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def step_out_of_range(metadata, template: StateTemplate) -> str | None:
+    """Why a downloaded state's step is not one to load now, or None. Not proof of a corrupted state: this peer's
+    view of the swarm's step may be stale (a peer that left is counted until its record expires)."""
+    step = metadata.get("epoch") if isinstance(metadata, dict) else None
+    ceiling = step if template.max_step is None else template.max_step
+    if not isinstance(step, int) or template.min_step <= step <= ceiling:
+        return None
+    return f"its step {step} is outside {template.min_step}..{template.max_step}"
+
+
 def state_problem(metadata, tensors, template: StateTemplate) -> str | None:
-    """Why a downloaded state (hivemind's metadata dict and flat tensors) must not be loaded, or None."""
+    """Why a downloaded state (hivemind's metadata dict and flat tensors) is corrupted, or None (its step's range is
+    `step_out_of_range`)."""
     if not isinstance(metadata, dict) or not isinstance(metadata.get("epoch"), int):
         return "no step in its metadata"
-    step = metadata["epoch"]
-    if step < template.min_step or (template.max_step is not None and step > template.max_step):
-        return f"its step {step} is outside {template.min_step}..{template.max_step}"
     if len(tensors) != len(template.shapes):
         return f"{len(tensors)} tensors where this peer's state has {len(template.shapes)}"
     for index, (tensor, shape) in enumerate(zip(tensors, template.shapes)):

@@ -268,11 +268,12 @@ def corrupt(metadata, tensors, keys, how):
 
 
 def test_an_honest_state_from_a_peer_further_on_is_accepted():
-    from sahajbert.robust import state_problem
+    from sahajbert.robust import state_problem, step_out_of_range
 
     newcomer, own_metadata, own_tensors = lamb_peer(0, seed=1)  # a newcomer: its statistics are zeros
     _, metadata, tensors = lamb_peer(6)  # a peer 6 steps on, past warmup: another learning rate, grown statistics
-    assert state_problem(metadata, tensors, template_of(newcomer, own_metadata, own_tensors, max_step=7)) is None
+    template = template_of(newcomer, own_metadata, own_tensors, max_step=7)
+    assert state_problem(metadata, tensors, template) is None and step_out_of_range(metadata, template) is None
 
 
 @pytest.mark.parametrize(
@@ -288,13 +289,16 @@ def test_an_honest_state_from_a_peer_further_on_is_accepted():
     ],
 )
 def test_a_corrupted_state_is_refused_with_its_reason(how, reason):
-    from sahajbert.robust import flat_keys, state_problem
+    from sahajbert.robust import flat_keys, state_problem, step_out_of_range
 
     newcomer, own_metadata, own_tensors = lamb_peer(0, seed=1)
     peer, metadata, tensors = lamb_peer(6)
     template = template_of(newcomer, own_metadata, own_tensors, max_step=7)
-    problem = state_problem(*corrupt(metadata, tensors, list(flat_keys(peer.state_dict())), how), template)
+    state = corrupt(metadata, tensors, list(flat_keys(peer.state_dict())), how)
+    problem = state_problem(*state, template) or step_out_of_range(state[0], template)
     assert problem is not None and reason in problem, (how, problem)
+    # only a step out of range can be a stale view of the swarm: the peer is skipped, not left out
+    assert (state_problem(*state, template) is None) == (how == "a step far ahead")
 
 
 def test_a_newcomer_refuses_a_corrupted_state_and_downloads_the_next_peers():

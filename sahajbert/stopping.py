@@ -105,8 +105,11 @@ class FinalRound:
 
     def run(self, optimizer: hivemind.Optimizer, last_step_peers: int) -> int:
         """Average parameters with the peers that finish within the window; how many took part (0: none joined)."""
+        # the higher of the tracker's last view and a fresh read: a peer whose record just expired (its reports
+        # held up by a slow link) may still come, and a skipped round cannot be made up for
+        peers_seen = compat.position(optimizer).peers
         compat.read_progress_now(optimizer, FRESH_READ_TIMEOUT)
-        peers_now = compat.position(optimizer).peers
+        peers_now = max(peers_seen, compat.position(optimizer).peers)
         if not self.needed(peers_now, last_step_peers):
             return 0
         expected = max(peers_now, last_step_peers)

@@ -665,7 +665,11 @@ class GuardedAverager:
                 (
                     (float(info.value), random.random(), peer)
                     for peer, info in sources.items()
-                    if isinstance(info, ValueWithExpiration) and isinstance(info.value, int | float)
+                    # any peer can write here: a subkey that is no peer id (hivemind's loop would fail on it) or a
+                    # priority that is no number is passed over
+                    if isinstance(peer, bytes)
+                    and isinstance(info, ValueWithExpiration)
+                    and isinstance(info.value, int | float)
                 ),
                 reverse=True,
             )

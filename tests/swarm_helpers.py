@@ -110,3 +110,23 @@ def loopback_dhts(count: int):
     finally:
         for dht in reversed(dhts):
             dht.shutdown()
+
+
+def sgd_state_averager(dht, parameters: list, prefix: str, kind=None, momentum: float = 0.0, **kwargs):
+    """A started state averager over `parameters` under SGD (lr 0.1), on `dht`: ours (GuardedStateAverager) unless
+    `kind` names another, such as hivemind's TrainingStateAverager."""
+    from functools import partial
+
+    import torch
+
+    from sahajbert import hivemind_compat as compat
+
+    return (kind or compat.GuardedStateAverager)(
+        dht=dht,
+        optimizer=partial(torch.optim.SGD, lr=0.1, momentum=momentum),
+        params=parameters,
+        prefix=prefix,
+        min_matchmaking_time=1.0,
+        start=True,
+        **kwargs,
+    )

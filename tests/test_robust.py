@@ -17,7 +17,7 @@ from sahajbert.robust import (
     plausible_progress,
 )
 
-from .swarm_helpers import loopback_dhts
+from .swarm_helpers import loopback_dhts, sgd_state_averager
 
 
 def honest(count: int, size: int = 1000, seed: int = 0) -> list[torch.Tensor]:
@@ -170,7 +170,6 @@ def test_inflated_samples_and_throughput_are_capped():
 def test_a_hostile_peer_in_a_pair_cannot_take_over_the_parameters():
     # two real state averagers on loopback, one holding x1e4 parameters: the honest peer's reducer bounds that
     # contribution to its own part, and the x1e4 average the other reducer returns is refused by the honest receiver
-    from functools import partial
     from types import SimpleNamespace
 
     from sahajbert import hivemind_compat as compat
@@ -182,14 +181,7 @@ def test_a_hostile_peer_in_a_pair_cannot_take_over_the_parameters():
         try:
             for scale, dht in zip((1.0, 1e4), dhts):
                 parameters = [torch.nn.Parameter(scale * start.clone())]
-                averager = compat.GuardedStateAverager(
-                    dht=dht,
-                    optimizer=partial(torch.optim.SGD, lr=0.1),
-                    params=parameters,
-                    prefix="pair",
-                    min_matchmaking_time=1.0,
-                    start=True,
-                )
+                averager = sgd_state_averager(dht, parameters, "pair")
                 optimizer = SimpleNamespace(local_epoch=0, scheduled_state=None, scheduled_grads=None)
                 optimizer.state_averager = averager
                 peers.append((parameters, optimizer))
@@ -304,7 +296,6 @@ def test_a_corrupted_state_is_refused_with_its_reason(how, reason):
 def test_a_newcomer_refuses_a_corrupted_state_and_downloads_the_next_peers():
     # real state averagers on loopback: an honest peer and, first in line (a higher priority), one serving NaN
     # parameters; the newcomer takes the honest state, while hivemind's plain averager (the control) takes the NaN one
-    from functools import partial
 
     from hivemind.optim.state_averager import TrainingStateAverager
 
@@ -315,13 +306,9 @@ def test_a_newcomer_refuses_a_corrupted_state_and_downloads_the_next_peers():
     with loopback_dhts(4) as dhts:
 
         def peer(kind, dht, values, epoch, priority=None):
-            averager = kind(
-                dht=dht,
-                optimizer=partial(torch.optim.SGD, lr=0.1, momentum=0.9),
-                params=[torch.nn.Parameter(values.clone())],
-                prefix="state",
-                allow_state_sharing=priority is not None,
-                start=True,
+            parameters = [torch.nn.Parameter(values.clone())]
+            averager = sgd_state_averager(
+                dht, parameters, "state", kind=kind, momentum=0.9, allow_state_sharing=priority is not None
             )
             averager.local_epoch = epoch
             if priority is not None:

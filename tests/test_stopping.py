@@ -7,7 +7,6 @@ its pre-scheduled rounds and its state averager. Our own code runs unchanged on 
 import threading
 import time
 from concurrent.futures import Future
-from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -24,7 +23,7 @@ from sahajbert.stopping import (
     should_stop,
 )
 
-from .swarm_helpers import loopback_dhts
+from .swarm_helpers import loopback_dhts, sgd_state_averager
 
 
 class StandInControl(Future):
@@ -226,14 +225,7 @@ def test_a_final_round_starts_once_every_expected_peer_is_in_its_group():
             for index, dht in enumerate(dhts):
                 # two peers' parameters a few updates apart
                 parameters = [torch.nn.Parameter(torch.linspace(1.0, 2.0, 4) + 0.01 * index)]
-                averager = compat.GuardedStateAverager(
-                    dht=dht,
-                    optimizer=partial(torch.optim.SGD, lr=0.1),
-                    params=parameters,
-                    prefix="ending",
-                    min_matchmaking_time=1.0,
-                    start=True,
-                )
+                averager = sgd_state_averager(dht, parameters, "ending")
                 peers.append((parameters, averager, stand_in_optimizer(local=3 + index, averager=averager)))
             controls = [
                 compat.start_parameter_round(optimizer, FINAL_GROUP_BITS, window, window + 60, group_size=2)

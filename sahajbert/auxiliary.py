@@ -192,6 +192,15 @@ class AuxPeer(SwarmPeer):
         if self.optimizer.local_epoch <= before and before != 0:
             logger.warning("no peer could share its state; will try again at the next refresh")
             return None
+        # the swarm's step counts a step from its round's start (delayed updates), so a peer's state can still be one
+        # behind it: such a state is not saved, to keep one checkpoint per --checkpoint_every steps
+        due = self.saved_step + self.aux_args.checkpoint_every
+        if self.optimizer.local_epoch < due:
+            logger.info(
+                f"the state downloaded is at global step {self.optimizer.local_epoch}, before step {due} that the "
+                f"next checkpoint is for; will download it again at the next refresh"
+            )
+            return None
         latest = self.monitor.latest
         checkpoints.save_checkpoint(
             self.args.training_args.output_dir,

@@ -153,8 +153,11 @@ def set_bandwidth(optimizer: hivemind.Optimizer, mbit: float) -> None:
 def gradient_averager_factory(gate=None, aggregation: robust.Aggregation = robust.Aggregation(), **averager_opts):
     """hivemind 1.1.x gives `averager_opts` to the state averager only: the gradient averager, made by this factory
     (the documented `grad_averager_factory`), gets the same bandwidth and group size, the access gate and the
-    robust aggregation."""
-    return partial(GuardedGradientAverager, gate=gate, aggregation=aggregation, **averager_opts)
+    robust aggregation. It serves no state: hivemind's Optimizer downloads a gradient averager's state (its gradient
+    buffers, the model's size) after the training state only to discard it."""
+    return partial(
+        GuardedGradientAverager, gate=gate, aggregation=aggregation, allow_state_sharing=False, **averager_opts
+    )
 
 
 def set_state_priority(optimizer: hivemind.Optimizer, priority: float) -> None:
@@ -541,7 +544,7 @@ class RobustAllReduceRunner(AllReduceRunner):
                 action = "dropped" if what == "non-finite" else "bounded"
                 logger.warning(
                     f"{action} the {what} contribution of {self.sender_peer_ids[index]} to this peer's part of an "
-                    f"averaging round"
+                    f"averaging round of {self._prefix}"
                 )
             senders.clear()
         super().finalize(cancel=cancel, exception=exception)

@@ -74,6 +74,10 @@ def last_step_is_next(position: SwarmPosition, max_steps: int | None) -> bool:
     return max_steps is not None and max(position.local_step + 1, position.swarm_step) >= max_steps
 
 
+# global steps over which the final round counts the swarm's peers (a slow peer's record can lapse for one of them)
+RECENT_STEPS = 3
+
+
 class FinalRound:
     """One last parameter average among the trainers that stop at --max_steps, so that they end with one model.
 
@@ -84,10 +88,12 @@ class FinalRound:
     The round matches under its own key and the last global step makes no regular parameter round (see the
     trainer), so a slower peer's regular round, triggered late, never pairs with it and gives partial results.
 
-    The round starts before its window ends once its group holds as many peers as the swarm had at this peer's last
-    step or has now, whichever is more (a run's end then takes seconds, not a window, when every peer is there).
-    Otherwise it waits out its window: the progress tracker cannot tell whether another peer is still coming, since
-    hivemind stops reporting a peer that caught up by downloading the state at the last step.
+    The round starts before its window ends once its group holds as many peers as the swarm had at any of this
+    peer's last RECENT_STEPS steps or has now, whichever is most (a run's end then takes seconds, not a window, when
+    every peer is there). Otherwise it waits out its window: the progress tracker cannot tell whether another peer is
+    still coming, since hivemind stops reporting a peer that caught up by downloading the state at the last step, and
+    a count taken while a slow peer's record had lapsed is one short (a group started without that peer leaves it
+    with other parameters).
     """
 
     def __init__(self, window: float, client_mode: bool, averaging_timeout: float):
@@ -99,20 +105,25 @@ class FinalRound:
         self.pending_update_timeout = pending_update_timeout(averaging_timeout)
 
     @staticmethod
-    def needed(peers_now: int, last_step_peers: int) -> bool:
-        """Skip the round only for a peer that was alone both at its last global step and now."""
-        return max(peers_now, last_step_peers) >= 2
+    def needed(peers_now: int, recent_peers: int) -> bool:
+        """Skip the round only for a peer that was alone both at its recent global steps and now."""
+        return max(peers_now, recent_peers) >= 2
 
-    def run(self, optimizer: hivemind.Optimizer, last_step_peers: int) -> int:
+    @staticmethod
+    def recent_peers(peer_counts: list[int]) -> int:
+        """The most peers counted at the last RECENT_STEPS global steps, given the counts of every step in order."""
+        return max(peer_counts[-RECENT_STEPS:], default=0)
+
+    def run(self, optimizer: hivemind.Optimizer, recent_peers: int) -> int:
         """Average parameters with the peers that finish within the window; how many took part (0: none joined)."""
         # the higher of the tracker's last view and a fresh read: a peer whose record just expired (its reports
         # held up by a slow link) may still come, and a skipped round cannot be made up for
         peers_seen = compat.position(optimizer).peers
         compat.read_progress_now(optimizer, FRESH_READ_TIMEOUT)
         peers_now = max(peers_seen, compat.position(optimizer).peers)
-        if not self.needed(peers_now, last_step_peers):
+        if not self.needed(peers_now, recent_peers):
             return 0
-        expected = max(peers_now, last_step_peers)
+        expected = max(peers_now, recent_peers)
         logger.info(
             f"averaging parameters with the peers that finish within {self.window:.0f} s, for a common final model "
             f"(at once when all {expected} are there)"

@@ -382,8 +382,8 @@ class TrainerPeer(SwarmPeer):
         self._apply_pending_updates(pending_wait)
         averaged_at_end = 0
         if self.final_round is not None and not stopped:
-            last_step_peers = self.result.steps[-1].peers if self.result.steps else 0
-            averaged_at_end = self.final_round.run(self.optimizer, last_step_peers)
+            recent_peers = FinalRound.recent_peers([record.peers for record in self.result.steps])
+            averaged_at_end = self.final_round.run(self.optimizer, recent_peers)
         self.compute.finish()  # an XLA device copy ends with the final parameters too
         self.result.final_step = self.optimizer.local_epoch
         # always written again at the end: a background round may have changed the parameters after the last save

@@ -336,3 +336,40 @@ def test_a_newcomer_refuses_a_corrupted_state_and_downloads_the_next_peers():
         finally:
             for averager in averagers:
                 averager.shutdown()
+
+
+def test_gradient_averagers_serve_no_state():
+    # hivemind's Optimizer, after downloading the training state, downloads the gradient averager's too (its gradient
+    # buffers, as large as the model) and discards it: ours do not serve one, so a state download is one model's size.
+    # hivemind's plain GradientAverager (the control) serves its buffers
+    from hivemind.optim.grad_averager import GradientAverager
+
+    from sahajbert import hivemind_compat as compat
+
+    averagers = []
+    with loopback_dhts(3) as dhts:
+
+        def averager(factory, dht, prefix, **kwargs):
+            parameters = [torch.nn.Parameter(torch.ones(1000))]
+            made = factory(parameters, dht=dht, prefix=prefix, min_matchmaking_time=1.0, start=True, **kwargs)
+            averagers.append(made)
+            return made
+
+        try:
+            averager(GradientAverager, dhts[0], "plain")
+            averager(compat.gradient_averager_factory(), dhts[1], "ours")
+            downloader = {
+                prefix: averager(GradientAverager, dhts[2], prefix, allow_state_sharing=False)
+                for prefix in ("plain", "ours")
+            }
+            deadline = time.monotonic() + 120  # until the plain averager has declared itself in the DHT
+            while time.monotonic() < deadline and dhts[2].get("plain.all_averagers", latest=True) is None:
+                time.sleep(0.2)
+            served = downloader["plain"].load_state_from_peers(timeout=30)
+            assert served is not None and len(served[1]) == 1, "the control serves its gradient buffers"
+            assert not averagers[1].allow_state_sharing
+            assert dhts[2].get("ours.all_averagers", latest=True) is None, "ours declares nothing to download"
+            assert downloader["ours"].load_state_from_peers(timeout=30) is None
+        finally:
+            for made in averagers:
+                made.shutdown()

@@ -167,9 +167,20 @@ def test_the_last_step_is_known_in_advance(local, swarm, expected):
     assert last_step_is_next(compat.position(stand_in_optimizer(local=local, swarm=swarm)), max_steps=5) is expected
 
 
-@pytest.mark.parametrize("peers_now, last_step_peers, needed", [(1, 1, False), (1, 2, True), (2, 0, True)])
-def test_the_final_round_is_skipped_only_by_a_peer_that_was_always_alone(peers_now, last_step_peers, needed):
-    assert FinalRound.needed(peers_now, last_step_peers) is needed
+@pytest.mark.parametrize("peers_now, recent_peers, needed", [(1, 1, False), (1, 2, True), (2, 0, True)])
+def test_the_final_round_is_skipped_only_by_a_peer_that_was_always_alone(peers_now, recent_peers, needed):
+    assert FinalRound.needed(peers_now, recent_peers) is needed
+
+
+@pytest.mark.parametrize(
+    "counts, expected",
+    [([3, 3, 3, 2], 3), ([3, 2, 2, 2], 2), ([2], 2), ([], 0)],
+    ids=["one-step-lapse", "left-3-steps-ago", "one-step", "no-step"],
+)
+def test_the_final_round_expects_the_most_peers_of_the_recent_steps(counts, expected):
+    # a slow peer's record lapsing at the last step must not start the round without it; a peer that left RECENT_STEPS
+    # steps ago is no longer waited for
+    assert FinalRound.recent_peers(counts) == expected
 
 
 @pytest.mark.parametrize("client_mode, wait", [(False, 2.0), (True, 4.0)])
@@ -180,7 +191,7 @@ def test_the_final_round_averages_under_its_own_key_and_adopts_the_highest_step(
     )
     optimizer.scheduled_state = StandInControl(AveragingStage.AWAITING_TRIGGER)
     final_round = FinalRound(window=2.0, client_mode=client_mode, averaging_timeout=3.0)
-    assert final_round.run(optimizer, last_step_peers=2) == 2
+    assert final_round.run(optimizer, recent_peers=2) == 2
     assert averager.calls[0] == ("set_group_bits", FINAL_GROUP_BITS)
     assert averager.calls[1] == ("set_target_group_size", 2), "it starts once the two peers are in its group"
     name, waits, gathered, timeout = averager.calls[2]
@@ -195,14 +206,14 @@ def test_the_final_round_averages_under_its_own_key_and_adopts_the_highest_step(
 def test_a_final_round_nobody_joined_keeps_the_parameters():
     averager = StandInAverager(round_error=TimeoutError("no group"))
     optimizer = stand_in_optimizer(local=5, swarm=5, peers=2, averager=averager)
-    assert FinalRound(window=0.5, client_mode=False, averaging_timeout=1.0).run(optimizer, last_step_peers=2) == 0
+    assert FinalRound(window=0.5, client_mode=False, averaging_timeout=1.0).run(optimizer, recent_peers=2) == 0
 
 
 def test_a_peer_alone_does_not_wait_for_a_final_round():
     averager = StandInAverager()
     optimizer = stand_in_optimizer(local=5, swarm=5, peers=1, averager=averager)
     started = time.monotonic()
-    assert FinalRound(window=30.0, client_mode=False, averaging_timeout=30.0).run(optimizer, last_step_peers=1) == 0
+    assert FinalRound(window=30.0, client_mode=False, averaging_timeout=30.0).run(optimizer, recent_peers=1) == 0
     assert averager.calls == [] and time.monotonic() - started < 5.0
 
 

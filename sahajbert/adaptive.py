@@ -69,11 +69,16 @@ async def _serve(_stream_info, reader: asyncio.StreamReader, writer: asyncio.Str
                 await writer.drain()
                 sent += len(payload)
         elif kind == b"U":
-            arrivals = []
+            # a prober sends chunks of PROBE_CHUNK, at most PROBE_MAX_BYTES, within its PROBE_TIMEOUT: a stream that
+            # sends larger chunks, more bytes, or for longer is cut off unanswered
+            arrivals, received, deadline = [], 0, time.monotonic() + PROBE_TIMEOUT
             while True:
                 (size,) = struct.unpack("<I", await reader.readexactly(4))
                 if size == 0:
                     break
+                received += size
+                if size > PROBE_CHUNK or received > PROBE_MAX_BYTES or time.monotonic() > deadline:
+                    return
                 await reader.readexactly(size)
                 arrivals.append((time.monotonic(), size))
             writer.write(struct.pack("<dd", *_later_rate(arrivals)))

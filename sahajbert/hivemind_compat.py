@@ -41,6 +41,35 @@ from sahajbert import robust
 logger = logging.getLogger(__name__)
 
 CHECKED_VERSION = "1.1.12"
+
+# bytes: the most one message of a p2p stream may declare. hivemind's own are at most an all-reduce part (2^19 bytes,
+# DEFAULT_PART_SIZE_BYTES) or a state chunk (2^16 bytes), plus a header; its reader (P2P.receive_raw_data) waits
+# for whatever length a peer's 8-byte header declares and holds every byte of it, so one stream could fill a peer's
+# memory. Unary requests go through the p2p daemon, which bounds them (4 MiB, DEFAULT_MAX_MSG_SIZE).
+MAX_STREAM_MESSAGE_BYTES = 8 * 2**20
+_refused_messages = {"count": 0, "logged_at": -math.inf}
+REFUSED_LOG_EVERY = 10.0  # seconds between two lines about refused messages: a flood must not flood the log too
+
+
+async def _bounded_receive_raw_data(reader: asyncio.StreamReader) -> bytes:
+    """hivemind's P2P.receive_raw_data, refusing a message declared larger than MAX_STREAM_MESSAGE_BYTES before any
+    of it is read: the stream is then closed as if its sender had left (hivemind's reader ends quietly on that)."""
+    header = await reader.readexactly(hivemind.p2p.P2P.HEADER_LEN)
+    length = int.from_bytes(header, hivemind.p2p.P2P.BYTEORDER)
+    if length > MAX_STREAM_MESSAGE_BYTES:
+        refused = _refused_messages
+        refused["count"] += 1
+        if time.monotonic() - refused["logged_at"] >= REFUSED_LOG_EVERY:
+            refused["logged_at"] = time.monotonic()
+            logger.warning(
+                f"closed a p2p stream whose message declared {length} bytes (the bound is "
+                f"{MAX_STREAM_MESSAGE_BYTES}); {refused['count']} such so far"
+            )
+        raise asyncio.IncompleteReadError(partial=b"", expected=length)
+    return await reader.readexactly(length)
+
+
+hivemind.p2p.P2P.receive_raw_data = staticmethod(_bounded_receive_raw_data)
 # an `average_state_every` that no global step number is a multiple of: no parameter round at the coming steps
 NO_STATE_AVERAGING = 2**62
 
@@ -474,6 +503,10 @@ class RobustTensorPartReducer(TensorPartReducer):
             self.accumulator = RobustAccumulator(self)
 
     async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight=1.0):
+        # a part of another shape than this peer's own (hivemind would broadcast a 1-value part over the whole part,
+        # and the robust rules cannot stack it) is taken as a non-finite one: dropped and logged
+        if 0 <= part_index < self.num_parts and tensor_part.shape != self.part_shapes[part_index]:
+            tensor_part = torch.full(self.part_shapes[part_index], float("nan"))
         tensor_part.sahajbert_sender = sender_index  # read by RobustAccumulator.add_, after hivemind's waits
         return await super().accumulate_part(sender_index, part_index, tensor_part, weight=weight)
 
@@ -539,9 +572,12 @@ class RobustAllReduceRunner(AllReduceRunner):
 
     def finalize(self, *, cancel: bool = False, exception: BaseException | None = None):
         reducer = self.tensor_part_reducer
-        for what, senders in (("non-finite", reducer.dropped), ("outlying", reducer.outliers - reducer.dropped)):
+        for what, senders in (
+            ("non-finite or misshapen", reducer.dropped),
+            ("outlying", reducer.outliers - reducer.dropped),
+        ):
             for index in sorted(i for i in senders if 0 <= i < len(self.sender_peer_ids)):
-                action = "dropped" if what == "non-finite" else "bounded"
+                action = "bounded" if what == "outlying" else "dropped"
                 logger.warning(
                     f"{action} the {what} contribution of {self.sender_peer_ids[index]} to this peer's part of an "
                     f"averaging round of {self._prefix}"

@@ -373,3 +373,35 @@ def test_gradient_averagers_serve_no_state():
         finally:
             for made in averagers:
                 made.shutdown()
+
+
+@pytest.mark.parametrize("misshapen", [torch.tensor([1e30]), torch.ones(8)], ids=["one-value", "too-long"])
+def test_a_part_of_another_shape_is_dropped(misshapen):
+    # hivemind's reducer (the control) broadcasts a one-value part over the whole part, and given a longer one it
+    # leaves every sender of that part waiting (in a round: until its timeout); ours drops it as a non-finite
+    # contribution and averages the others
+    import asyncio
+
+    from hivemind.averaging.partition import TensorPartReducer
+
+    from sahajbert.hivemind_compat import RobustTensorPartReducer
+
+    good = honest(2, size=4)
+
+    async def reduce(make):  # a reducer's futures belong to the loop it is made in
+        reducer = make()
+        parts = [*good, misshapen]
+        gathered = asyncio.gather(
+            *(reducer.accumulate_part(i, 0, part.clone()) for i, part in enumerate(parts)), return_exceptions=True
+        )
+        try:  # hivemind's reducer, given a longer part, fails in the middle of it and leaves the others waiting
+            return reducer, (await asyncio.wait_for(gathered, 3.0))[0]
+        except TimeoutError as e:
+            return reducer, e
+
+    ours, result = asyncio.run(
+        reduce(lambda: RobustTensorPartReducer([torch.Size([4])], 3, Aggregation("norm_clip"), own_sender=0))
+    )
+    assert torch.allclose(result, torch.stack(good).mean(0), atol=1e-6) and ours.dropped == {2}
+    _, control = asyncio.run(reduce(lambda: TensorPartReducer([torch.Size([4])], 3)))
+    assert isinstance(control, BaseException) or not torch.allclose(control, torch.stack(good).mean(0))

@@ -1,0 +1,49 @@
+"""A peer for tests/test_bounds.py to flood: a DHT and a started state averager, on 127.0.0.1.
+
+`python tests/flood_target.py ours` runs ours (sahajbert.hivemind_compat imported: its stream-message bound in force,
+GuardedStateAverager, the link probe served); `plain` runs hivemind's TrainingStateAverager without importing our
+package (the control). Prints one JSON line (the DHT's addresses, the averager process's pid, the all-reduce
+handler's name), then runs until its stdin closes.
+"""
+
+import json
+import sys
+from functools import partial
+from pathlib import Path
+
+import hivemind
+import torch
+from hivemind.optim.state_averager import TrainingStateAverager
+
+PREFIX = "flood"
+
+
+def main() -> None:
+    kind = sys.argv[1]
+    averager_class = TrainingStateAverager
+    if kind == "ours":  # imported before any hivemind process starts: each one forks with the bound in force
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from sahajbert import adaptive
+        from sahajbert import hivemind_compat as compat
+
+        averager_class = compat.GuardedStateAverager
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    if kind == "ours":
+        adaptive.serve_link_probe(dht)
+    averager = averager_class(
+        dht=dht,
+        optimizer=partial(torch.optim.SGD, lr=0.1),
+        params=[torch.nn.Parameter(torch.zeros(1000))],
+        prefix=PREFIX,
+        start=True,
+    )
+    handler = TrainingStateAverager._get_handle_name(PREFIX, "rpc_aggregate_part")
+    maddrs = [str(maddr) for maddr in dht.get_visible_maddrs()]
+    print(json.dumps({"maddrs": maddrs, "averager_pid": averager.pid, "handler": handler}), flush=True)
+    sys.stdin.read()
+    averager.shutdown()
+    dht.shutdown()
+
+
+if __name__ == "__main__":
+    main()

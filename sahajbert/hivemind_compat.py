@@ -57,10 +57,10 @@ async def _bounded_receive_raw_data(reader: asyncio.StreamReader) -> bytes:
     header = await reader.readexactly(hivemind.p2p.P2P.HEADER_LEN)
     length = int.from_bytes(header, hivemind.p2p.P2P.BYTEORDER)
     if length > MAX_STREAM_MESSAGE_BYTES:
-        refused = _refused_messages
+        refused, now = _refused_messages, time.monotonic()
         refused["count"] += 1
-        if time.monotonic() - refused["logged_at"] >= REFUSED_LOG_EVERY:
-            refused["logged_at"] = time.monotonic()
+        if now - refused["logged_at"] >= REFUSED_LOG_EVERY:
+            refused["logged_at"] = now
             logger.warning(
                 f"closed a p2p stream whose message declared {length} bytes (the bound is "
                 f"{MAX_STREAM_MESSAGE_BYTES}); {refused['count']} such so far"
@@ -70,6 +70,7 @@ async def _bounded_receive_raw_data(reader: asyncio.StreamReader) -> bytes:
 
 
 hivemind.p2p.P2P.receive_raw_data = staticmethod(_bounded_receive_raw_data)
+
 # an `average_state_every` that no global step number is a multiple of: no parameter round at the coming steps
 NO_STATE_AVERAGING = 2**62
 

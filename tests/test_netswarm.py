@@ -63,8 +63,8 @@ def test_quick_scenario_behind_nat_keeps_stepping_through_churn_and_ends_in_agre
     # the newcomer's state came from a trainer behind NAT: no other peer of this swarm holds one
     assert [d["servers_behind_nat"] for d in result["state_downloads"]] == [True], result["state_downloads"]
     assert result["peers_at_the_end"] == 2
-    assert max(result["final_round_peers"]) == 2, ("the two finishers averaged once more", end_of_run_lines(tmp_path))
-    assert result["parameters_agree"], (result["max_parameter_difference"], end_of_run_lines(tmp_path))
+    assert max(result["final_round_peers"]) == 2, ("the two finishers averaged once more", peer_log_lines(tmp_path))
+    assert result["parameters_agree"], (result["max_parameter_difference"], peer_log_lines(tmp_path))
     assert "| global steps per minute |" in run.stdout, "the result table is printed"
     assert namespaces() == before, "every namespace the run made is gone"
     # this run's switch (another run's may be serving its own network meanwhile)
@@ -96,12 +96,13 @@ def run_netswarm(tmp_path, *flags, timeout=900) -> dict:
 END_OF_RUN = ("final parameter", "averaging parameters", "results", "round failed", "stopped at")
 
 
-def end_of_run_lines(tmp_path) -> list[str]:
+def peer_log_lines(tmp_path, words=END_OF_RUN) -> list[str]:
+    """The lines of every peer's log that hold any of `words`, each prefixed by the peer's name."""
     return [
         f"{log.stem}: {line}"
         for log in sorted((tmp_path / "logs").glob("*.log"))
         for line in log.read_text().splitlines()
-        if any(words in line for words in END_OF_RUN)
+        if any(word in line for word in words)
     ]
 
 
@@ -125,7 +126,7 @@ def test_each_trainer_measures_its_link_and_declares_it(tmp_path):
     # (which peer sends the most bytes is not asserted: at this size a round is 0.5 MB per peer, small next to DHT
     # and TCP traffic, and in a CI run the 20/5 trainer, which joined a step late, sent the most; benchmarks/README.md
     # compares the two balances)
-    assert result["parameters_agree"], (result["max_parameter_difference"], end_of_run_lines(tmp_path))
+    assert result["parameters_agree"], (result["max_parameter_difference"], peer_log_lines(tmp_path))
 
 
 def test_sahajbert_on_broadband_with_the_default_timing(tmp_path):
@@ -141,15 +142,10 @@ def test_sahajbert_on_broadband_with_the_default_timing(tmp_path):
     # runs after the last record: the trainer whose pass was under way when the other began that step makes it too
     names = ("trainer0", "trainer1")
     records = [r for name in names for r in read_train_log(tmp_path / "logs" / name)]
-    failures = [
-        f"{name}: {line}"
-        for name in names
-        for line in (tmp_path / "logs" / f"{name}.log").read_text().splitlines()
-        if "round failed" in line
-    ]
+    failures = peer_log_lines(tmp_path, ("round failed",))
     assert records and all(r.failed_rounds == 0 for r in records), ([r.failed_rounds for r in records], failures)
     assert result["failed_rounds"] == 0, (result["failed_rounds"], failures)
     assert result["global_steps"] == 3
-    assert min(result["final_round_peers"]) == 2, (result["final_round_peers"], end_of_run_lines(tmp_path))
-    assert result["parameters_agree"], (result["max_parameter_difference"], end_of_run_lines(tmp_path))
+    assert min(result["final_round_peers"]) == 2, (result["final_round_peers"], peer_log_lines(tmp_path))
+    assert result["parameters_agree"], (result["max_parameter_difference"], peer_log_lines(tmp_path))
     assert result["seconds_per_round"] is not None, "gradient rounds were timed"

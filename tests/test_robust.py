@@ -1,12 +1,13 @@
 """Robust aggregation and bounded progress claims, on tensors and records shaped like hivemind's."""
 
 import math
-import time
+from functools import partial
 
 import pytest
 import torch
 from hivemind.utils import ValueWithExpiration
 
+from sahajbert.localswarm import wait_for
 from sahajbert.robust import (
     PAIR_FACTOR,
     PARAMETER_PAIR_FACTOR,
@@ -322,12 +323,12 @@ def test_a_newcomer_refuses_a_corrupted_state_and_downloads_the_next_peers():
             newcomer = peer(compat.GuardedStateAverager, dhts[2], torch.zeros(1000), epoch=0)
             newcomer.state_step_ceiling = 4  # as GuardedOptimizer sets it from the swarm's step
             control = peer(TrainingStateAverager, dhts[3], torch.zeros(1000), epoch=0)
-            deadline = time.monotonic() + 120  # until both sharing peers have declared themselves in the DHT
-            found = None
-            while time.monotonic() < deadline and not (found is not None and len(found.value) == 2):
-                time.sleep(0.2)
+
+            def both_declared() -> bool:
                 found = dhts[0].get("state.all_averagers", latest=True)
-            assert found is not None and len(found.value) == 2, found
+                return found is not None and len(found.value) == 2
+
+            wait_for(both_declared, 120, "both sharing peers' declarations in the DHT", interval=0.2)
             control.load_state_from_peers(timeout=30)
             assert torch.isnan(control.main_parameters[0]).all(), "hivemind alone loads the first peer's NaN state"
             newcomer.load_state_from_peers(timeout=30)
@@ -362,9 +363,8 @@ def test_gradient_averagers_serve_no_state():
                 prefix: averager(GradientAverager, dhts[2], prefix, allow_state_sharing=False)
                 for prefix in ("plain", "ours")
             }
-            deadline = time.monotonic() + 120  # until the plain averager has declared itself in the DHT
-            while time.monotonic() < deadline and dhts[2].get("plain.all_averagers", latest=True) is None:
-                time.sleep(0.2)
+            plain_declared = partial(dhts[2].get, "plain.all_averagers", latest=True)
+            wait_for(plain_declared, 120, "the plain averager's declaration in the DHT", interval=0.2)
             served = downloader["plain"].load_state_from_peers(timeout=30)
             assert served is not None and len(served[1]) == 1, "the control serves its gradient buffers"
             assert not averagers[1].allow_state_sharing

@@ -336,8 +336,22 @@ def help_text(flags: Flags, prog: str) -> str:
     return flags.build(prog).format_help()
 
 
+def _drop_closed_loop_finalizers(unraisable) -> None:
+    """sys.unraisablehook without hivemind's MPFuture finalizers that find their event loop closed.
+
+    A future garbage-collected after its averager's loop ended (at exit, after the last line a person should read)
+    wakes its waiters on that closed loop; the RuntimeError says nothing about the run. Every other unraisable
+    exception is printed as Python prints it.
+    """
+    finalizer = getattr(unraisable.object, "__qualname__", "")
+    if finalizer == "MPFuture.__del__" and "Event loop is closed" in str(unraisable.exc_value):
+        return
+    sys.__unraisablehook__(unraisable)
+
+
 def run(main: Callable[[], int | None]) -> None:
     """Run a script's main(); a UserError or Ctrl+C ends it with one clear line and a non-zero exit code."""
+    sys.unraisablehook = _drop_closed_loop_finalizers
     try:
         code = main()
     except UserError as e:

@@ -336,6 +336,39 @@ def test_a_busy_port_and_a_wrong_peer_id_are_one_line(tmp_path):
         first.stop()
 
 
+# a script whose averager's loop has closed when its error ends it: hivemind's future is collected at exit
+CLOSED_LOOP_AT_EXIT = """
+import asyncio, atexit
+from hivemind.utils.mpfuture import MPFuture
+from sahajbert import cli
+
+futures = []
+atexit.register(futures.clear)
+
+async def await_a_future():
+    futures.append(MPFuture())
+    asyncio.ensure_future(futures[0])
+    await asyncio.sleep(0.1)
+
+def main():
+    cli.setup_logging()
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(await_a_future())
+    loop.close()
+    raise cli.UserError("the organizer no longer admits you")
+
+cli.run(main)
+"""
+
+
+def test_the_error_line_is_the_last_line_even_when_a_closed_loop_future_is_collected_at_exit():
+    result = subprocess.run(
+        [sys.executable, "-c", CLOSED_LOOP_AT_EXIT], capture_output=True, text=True, timeout=60, env=peer_env()
+    )
+    assert_one_error(result.returncode, result.stderr, "no longer admits you")
+    assert result.stderr.strip().splitlines()[-1] == "error: the organizer no longer admits you", result.stderr
+
+
 @pytest.mark.slow
 def test_a_trainer_run_is_quiet(tmp_path):
     """A first peer and a tiny trainer to a few steps, with default logging: one line per event."""

@@ -19,6 +19,9 @@ from sahajbert.corpus import DEFAULT_SOURCES, HUB_SOURCES, SAMPLE_NAME
 from sahajbert.recipes import PROTOCOLS, RECIPES
 from sahajbert.tokenization import REAL_TOKENIZER
 
+# seconds: the longest a peer keeps a DHT record others store (sahajbert.hivemind_compat.BoundedLocalStorage)
+MAX_RECORD_LIFETIME = 3600.0
+
 
 @dataclass
 class CorpusArguments:
@@ -209,6 +212,11 @@ class AuthorityArguments:
         # peers renew at half the lifetime, and a renewal must reach the first peer and come back before it ends
         if self.token_lifetime < 10:
             raise ValueError(f"--token_lifetime must be at least 10 seconds, got {self.token_lifetime}")
+        # the token is a DHT record, and peers keep none longer than this
+        if self.token_lifetime > MAX_RECORD_LIFETIME:
+            raise ValueError(
+                f"--token_lifetime must be at most {MAX_RECORD_LIFETIME:.0f} seconds, got {self.token_lifetime}"
+            )
         if self.add_invite is not None and self.allowlist is None:
             raise ValueError("--add_invite needs --allowlist FILE (the file the name is added to)")
 

@@ -9,6 +9,7 @@ round. Each function says what it relies on. After a hivemind upgrade, check the
 """
 
 import asyncio
+import heapq
 import logging
 import math
 import random
@@ -25,6 +26,7 @@ from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.partition import AllreduceException, TensorPartReducer
 from hivemind.compression import deserialize_torch_tensor
+from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
@@ -34,9 +36,10 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
-from hivemind.utils.timed_storage import ValueWithExpiration
+from hivemind.utils.timed_storage import TimedStorage, ValueWithExpiration
 
 from sahajbert import robust
+from sahajbert.arguments import MAX_RECORD_LIFETIME
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +73,100 @@ async def _bounded_receive_raw_data(reader: asyncio.StreamReader) -> bytes:
 
 
 hivemind.p2p.P2P.receive_raw_data = staticmethod(_bounded_receive_raw_data)
+
+# The DHT records this peer holds for others. hivemind's DHTProtocol keeps every record a peer asks it to store until
+# the expiration that peer chose, with no bound on their number or lifetime, and queues a heap entry for each store
+# even of a record it already holds. Ours refuses a record that would not fit these bounds, and keeps the heap in
+# proportion to the records. The swarm's own records are a few per peer (progress, metrics, state and group
+# declarations, invite tokens), each under 1 KiB and renewed within minutes.
+MAX_RECORD_BYTES = 4 * 2**10  # one value, or one subkey's value, with its signature
+MAX_STORED_RECORDS = 10_000  # values and subkeys' values together, per storage (this peer's records and its cache)
+RECOUNT_EVERY = 1.0  # seconds between two counts of a full storage's records (some may have expired)
+_refused_records = {"count": 0, "logged_at": -math.inf}
+
+
+def _refuse_record(why: str) -> bool:
+    refused, now = _refused_records, time.monotonic()
+    refused["count"] += 1
+    if now - refused["logged_at"] >= REFUSED_LOG_EVERY:
+        refused["logged_at"] = now
+        logger.warning(f"refused to store a DHT record: {why}; {refused['count']} refused so far")
+    return False
+
+
+def _compact(storage: TimedStorage) -> None:
+    """Drop the heap entries of replaced records (hivemind drops them only once they expire)."""
+    if len(storage.expiration_heap) > 2 * len(storage.data) + 64:
+        storage.expiration_heap = [storage.key_to_heap[key] for key in storage.data]
+        heapq.heapify(storage.expiration_heap)
+
+
+class BoundedLocalStorage(DHTLocalStorage):
+    """hivemind's DHTLocalStorage within MAX_RECORD_BYTES, MAX_RECORD_LIFETIME and MAX_STORED_RECORDS: a record
+    over them is refused (the storing peer's store_ok says so), one already held can always be renewed. Installed
+    for every DHT node this process or its children start (`hivemind.dht.protocol.DHTLocalStorage`)."""
+
+    def __init__(self, maxsize: int | None = None):
+        super().__init__(maxsize)
+        # an upper estimate of records(), recounted (O(keys)) only when it reaches the bound, at most once a
+        # RECOUNT_EVERY: a flood costs no more than storing it
+        self._estimate, self._counted_at = 0, -math.inf
+
+    def records(self) -> int:
+        """Values and subkeys' values held, the expired ones dropped first (hivemind drops them only when asked)."""
+        self._remove_outdated()
+        count = 0
+        for item in self.data.values():
+            if isinstance(item.value, DictionaryDHTValue):
+                item.value._remove_outdated()
+                count += len(item.value.data)
+            else:
+                count += 1
+        return count
+
+    def _has_room(self) -> bool:
+        now = time.monotonic()
+        if self._estimate >= MAX_STORED_RECORDS and now - self._counted_at >= RECOUNT_EVERY:
+            self._estimate, self._counted_at = self.records(), now
+        return self._estimate < MAX_STORED_RECORDS
+
+    def _admits(self, value, expiration_time: float, new_record: bool) -> bool:
+        if isinstance(value, bytes) and len(value) > MAX_RECORD_BYTES:
+            return _refuse_record(f"{len(value)} bytes (the bound is {MAX_RECORD_BYTES})")
+        if expiration_time > get_dht_time() + MAX_RECORD_LIFETIME:
+            kept = expiration_time - get_dht_time()
+            return _refuse_record(f"it would be kept {kept:.0f} s (the bound is {MAX_RECORD_LIFETIME:.0f})")
+        if new_record:
+            if not self._has_room():
+                return _refuse_record(f"this peer holds {MAX_STORED_RECORDS} records already")
+            self._estimate += 1
+        return True
+
+    def store(self, key, value, expiration_time, subkey=None) -> bool:
+        if subkey is not None:
+            return self.store_subkey(key, subkey, value, expiration_time)
+        if not self._admits(value, expiration_time, new_record=key not in self.data):
+            return False
+        stored = super().store(key, value, expiration_time)
+        _compact(self)
+        return stored
+
+    def store_subkey(self, key, subkey, value, expiration_time) -> bool:
+        held = self.data.get(key)
+        new_record = not (
+            held is not None and isinstance(held.value, DictionaryDHTValue) and subkey in held.value.data
+        )
+        if not self._admits(value, expiration_time, new_record):
+            return False
+        stored = super().store_subkey(key, subkey, value, expiration_time)
+        held = self.data.get(key)
+        if held is not None and isinstance(held.value, DictionaryDHTValue):
+            _compact(held.value)
+        _compact(self)
+        return stored
+
+
+hivemind.dht.protocol.DHTLocalStorage = BoundedLocalStorage
 
 # an `average_state_every` that no global step number is a multiple of: no parameter round at the coming steps
 NO_STATE_AVERAGING = 2**62

@@ -1,9 +1,9 @@
 """A peer for tests/test_bounds.py to flood: a DHT and a started state averager, on 127.0.0.1.
 
-`python tests/flood_target.py ours` runs ours (sahajbert.hivemind_compat imported: its stream-message bound in force,
-GuardedStateAverager, the link probe served); `plain` runs hivemind's TrainingStateAverager without importing our
-package (the control). Prints one JSON line (the DHT's addresses, the averager process's pid, the all-reduce
-handler's name), then runs until its stdin closes.
+`python tests/flood_target.py ours` runs ours (sahajbert.hivemind_compat imported: its stream-message and DHT
+storage bounds in force, GuardedStateAverager, the link probe served); `plain` runs hivemind's TrainingStateAverager
+without importing our package (the control). Prints one JSON line (the DHT's addresses, the DHT's and the averager's
+process ids, the all-reduce handler's name), then runs until its stdin closes.
 """
 
 import json
@@ -39,7 +39,8 @@ def main() -> None:
     )
     handler = TrainingStateAverager._get_handle_name(PREFIX, "rpc_aggregate_part")
     maddrs = [str(maddr) for maddr in dht.get_visible_maddrs()]
-    print(json.dumps({"maddrs": maddrs, "averager_pid": averager.pid, "handler": handler}), flush=True)
+    info = {"maddrs": maddrs, "averager_pid": averager.pid, "dht_pid": dht.pid, "handler": handler}
+    print(json.dumps(info), flush=True)
     sys.stdin.read()
     averager.shutdown()
     dht.shutdown()

@@ -10,10 +10,21 @@ from contextlib import asynccontextmanager, contextmanager
 
 import psutil
 import pytest
+from hivemind.dht.node import DHTNode
+from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DHTLocalStorage
 from hivemind.p2p import P2P, PeerID
+from hivemind.utils import get_dht_time
 
 from sahajbert.adaptive import PROBE_CHUNK, PROBE_PROTOCOL
-from sahajbert.hivemind_compat import MAX_STREAM_MESSAGE_BYTES
+from sahajbert.arguments import MAX_RECORD_LIFETIME
+from sahajbert.hivemind_compat import (
+    MAX_RECORD_BYTES,
+    MAX_STORED_RECORDS,
+    MAX_STREAM_MESSAGE_BYTES,
+    RECOUNT_EVERY,
+    BoundedLocalStorage,
+)
 from sahajbert.localswarm import peer_env
 
 from .swarm_helpers import ROOT
@@ -123,3 +134,93 @@ async def probe_with_an_oversized_chunk(info: dict) -> str:
 @pytest.mark.slow
 def test_the_link_probe_cuts_off_a_stream_that_is_no_probe(our_peer):
     assert asyncio.run(probe_with_an_oversized_chunk(our_peer)) == "closed"
+
+
+# ---- DHT records ----
+
+
+def test_a_record_over_the_size_or_lifetime_bound_is_refused():
+    storage, now = BoundedLocalStorage(), get_dht_time()
+    key = DHTID.generate("key")
+    assert not storage.store(key, bytes(MAX_RECORD_BYTES + 1), now + 60)
+    assert not storage.store(key, b"x", now + MAX_RECORD_LIFETIME + 60)
+    assert not storage.store_subkey(key, b"peer", bytes(MAX_RECORD_BYTES + 1), now + 60)
+    assert storage.store(key, bytes(MAX_RECORD_BYTES), now + 60)
+    # hivemind's storage (the control) keeps both
+    plain = DHTLocalStorage()
+    assert plain.store(key, bytes(MAX_RECORD_BYTES + 1), now + 60)
+    assert plain.store(DHTID.generate("other"), b"x", now + 10 * MAX_RECORD_LIFETIME)
+
+
+def test_a_full_storage_refuses_new_records_and_renews_those_it_holds():
+    storage, now = BoundedLocalStorage(), get_dht_time()
+    half = MAX_STORED_RECORDS // 2
+    keys = [DHTID.generate(f"key{i}") for i in range(half)]
+    assert all(storage.store(key, b"v", now + 60) for key in keys)
+    shared = DHTID.generate("progress")
+    assert all(storage.store_subkey(shared, i, b"v", now + 60) for i in range(MAX_STORED_RECORDS - half))
+    assert storage.records() == MAX_STORED_RECORDS
+    assert not storage.store(DHTID.generate("one more"), b"v", now + 60)
+    assert not storage.store_subkey(shared, "one more", b"v", now + 60)
+    assert storage.store(keys[0], b"renewed", now + 120) and storage.get(keys[0]).value == b"renewed"
+    assert storage.store_subkey(shared, 0, b"renewed", now + 120)
+
+
+def test_a_full_storage_has_room_again_once_records_expire():
+    storage, now = BoundedLocalStorage(), get_dht_time()
+    assert all(storage.store(DHTID.generate(f"key{i}"), b"v", now + 0.5) for i in range(MAX_STORED_RECORDS))
+    assert not storage.store(DHTID.generate("one more"), b"v", now + 60)
+    time.sleep(RECOUNT_EVERY + 0.6)  # past their expiration and the next count
+    assert storage.store(DHTID.generate("one more"), b"v", get_dht_time() + 60)
+
+
+def test_renewing_one_record_does_not_grow_the_expiration_heap():
+    now = get_dht_time()
+    ours, plain = BoundedLocalStorage(), DHTLocalStorage()
+    key = DHTID.generate("renewed")
+    for storage in (ours, plain):
+        for i in range(5000):
+            storage.store(key, b"v", now + 60 + i * 1e-3)
+            storage.store_subkey(DHTID.generate("dict"), b"peer", b"v", now + 60 + i * 1e-3)
+    assert len(plain.expiration_heap) >= 5000  # hivemind keeps an entry per store until it expires
+    assert len(ours.expiration_heap) < 100
+    assert len(ours.get(DHTID.generate("dict")).value.expiration_heap) < 100
+
+
+async def flood_records(info: dict, records: int, value_bytes: int, batch: int = 1000) -> dict:
+    """Ask the target to store `records` new records of `value_bytes` each, `batch` per request (as many as the p2p
+    daemon passes in one), then one that would be kept 10x the lifetime bound; the target's DHT process memory."""
+    node = await DHTNode.create(initial_peers=info["maddrs"], client_mode=True)
+    try:
+        peer = PeerID.from_base58(info["maddrs"][0].split("/p2p/")[1])
+        before, accepted = rss_mib(info["dht_pid"]), 0
+        value, expiration = bytes(value_bytes), get_dht_time() + 600
+        for start in range(0, records, batch):
+            keys = [DHTID.generate(f"flood{i}") for i in range(start, min(start + batch, records))]
+            stored = await node.protocol.call_store(peer, keys, [value] * len(keys), expiration)
+            accepted += sum(stored or [])
+        far = get_dht_time() + 10 * MAX_RECORD_LIFETIME
+        long_lived = await node.protocol.call_store(peer, [DHTID.generate("far")], [b"x"], far)
+        return {"accepted": accepted, "growth_mib": rss_mib(info["dht_pid"]) - before, "long_lived": long_lived}
+    finally:
+        await node.shutdown()
+
+
+FLOOD_RECORDS, FLOOD_VALUE_BYTES = 3 * MAX_STORED_RECORDS, 3000  # 86 MiB of values, 3x the bound's count
+
+
+@pytest.mark.slow
+def test_a_flood_of_dht_records_cannot_fill_a_peers_memory(our_peer):
+    with target("plain") as plain_info:
+        plain = asyncio.run(flood_records(plain_info, FLOOD_RECORDS, FLOOD_VALUE_BYTES))
+    ours = asyncio.run(flood_records(our_peer, FLOOD_RECORDS, FLOOD_VALUE_BYTES))
+    results = {"plain": plain, "ours": ours}
+    # hivemind's DHT (the control) keeps every record, and one for 10 hours
+    values_mib = FLOOD_RECORDS * FLOOD_VALUE_BYTES / 2**20
+    assert plain["accepted"] == FLOOD_RECORDS and plain["growth_mib"] > values_mib / 2, results
+    assert plain["long_lived"] == [True], results
+    # ours keeps up to its bound's count (the target's own few records take some of it), and no record that long
+    bound_mib = MAX_STORED_RECORDS * FLOOD_VALUE_BYTES / 2**20
+    assert MAX_STORED_RECORDS - 100 <= ours["accepted"] <= MAX_STORED_RECORDS, results
+    assert ours["growth_mib"] < bound_mib + 32, results
+    assert ours["long_lived"] == [False], results

@@ -107,6 +107,11 @@ def test_a_required_flag_is_named(capsys):
     assert_one_error(code, stderr, "the following arguments are required: --model_name_or_path")
 
 
+def test_a_token_lifetime_beyond_what_peers_keep_is_refused(capsys):
+    code, stderr = run_main("run_first_peer.py", ["--token_lifetime", "7200"], capsys)
+    assert_one_error(code, stderr, "--token_lifetime must be at most 3600 seconds, got 7200")
+
+
 def test_the_first_peer_refuses_client_mode(capsys):
     code, stderr = run_main("run_first_peer.py", ["--client_mode"], capsys)
     assert_one_error(code, stderr, "the first peer cannot run with --client_mode")

@@ -12,6 +12,7 @@ import asyncio
 import heapq
 import logging
 import math
+import multiprocessing as mp
 import random
 import re
 import time
@@ -24,6 +25,7 @@ import hivemind
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.control import AveragingStage, StepControl
+from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.averaging.partition import AllreduceException, TensorPartReducer
 from hivemind.compression import deserialize_torch_tensor
 from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
@@ -609,6 +611,25 @@ class RobustTensorPartReducer(TensorPartReducer):
         return await super().accumulate_part(sender_index, part_index, tensor_part, weight=weight)
 
 
+class GuardedMatchmaking(Matchmaking):
+    """hivemind's matchmaking, asking no peer that its averager left out (`distrusted`) to lead its group: as a
+    leader an averager already refuses such a peer (`GuardedAverager._admits`), but hivemind would still follow it.
+    Installed for every averager (`hivemind.averaging.averager.Matchmaking`); hivemind's own have no such peers."""
+
+    def __init__(self, *args, distrusted: set[PeerID] = frozenset(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.distrusted = distrusted
+
+    async def _request_join_group(self, leader: PeerID):
+        if leader in self.distrusted:  # also a leader that an honest one's disbanded group redirects this peer to
+            logger.debug(f"not joining the group of {leader}: it is left out of this peer's averaging")
+            return None
+        return await super()._request_join_group(leader)
+
+
+hivemind.averaging.averager.Matchmaking = GuardedMatchmaking
+
+
 class RobustAllReduceRunner(AllReduceRunner):
     """hivemind's all-reduce of one group, with three defences:
 
@@ -711,18 +732,41 @@ class GuardedAverager:
     _stub_type = None
     _hivemind_class: type
 
-    def __init__(self, *args, gate=None, aggregation: robust.Aggregation = robust.Aggregation(), **kwargs):
+    def __init__(
+        self, *args, gate=None, aggregation: robust.Aggregation = robust.Aggregation(), distrusted=(), **kwargs
+    ):
         # set before hivemind starts the averager's process, which gets a copy of them
         self.gate, self.aggregation = gate, replace(aggregation, pair_factor=self.pair_factor)
         self._serving = 0  # all-reduce streams this averager is answering (counted in its own process)
-        self._distrusted: set[PeerID] = set()  # reducers caught returning implausible averages (in its process)
+        # peers left out: `distrusted` from the start, then reducers caught returning implausible averages and peers
+        # that served a refused state (added in its process)
+        self._distrusted: set[PeerID] = set(distrusted)
+        # each peer left out in the averager's process is also sent here, for this peer's progress tracker
+        self._left_out_channel = mp.SimpleQueue()
+        self._left_out_seen: set[bytes] = {peer.to_bytes() for peer in self._distrusted}
         self._state_template: robust.StateTemplate | None = None  # what a downloaded state must match
         super().__init__(*args, **kwargs)
+
+    @property
+    def matchmaking_kwargs(self) -> dict:
+        return self._matchmaking_kwargs
+
+    @matchmaking_kwargs.setter
+    def matchmaking_kwargs(self, kwargs: dict) -> None:
+        # hivemind builds its Matchmaking (ours: GuardedMatchmaking) from these, in the averager's process
+        self._matchmaking_kwargs = {**kwargs, "distrusted": self._distrusted}
 
     def _distrust(self, peer_id: PeerID, why: str) -> None:
         if peer_id not in self._distrusted:
             self._distrusted.add(peer_id)
+            self._left_out_channel.put(peer_id.to_bytes())
             logger.warning(f"peer {peer_id} is left out of this peer's averaging from now on: {why}")
+
+    def left_out_peers(self) -> set[bytes]:
+        """The peers (as bytes) this averager has left out so far, read in the process that made it."""
+        while not self._left_out_channel.empty():
+            self._left_out_seen.add(self._left_out_channel.get())
+        return self._left_out_seen
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id: bytes | None = None, **kwargs):
         """hivemind's own (averager.py), with RobustAllReduceRunner in place of AllReduceRunner: run the group's
@@ -944,13 +988,27 @@ class BoundedProgressTracker(ProgressTracker):
     """hivemind's progress tracker, reading the swarm's progress records through `robust.plausible_progress`: one
     peer's claims cannot move the swarm's step or fill its batch. Each distinct change is logged once."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, left_out: Callable[[], set[bytes]] = set, **kwargs):
         self._step_began = (None, time.monotonic())  # (global step, when this peer first saw it)
         self._noted: set[tuple[str, bytes]] = set()
+        self._left_out = left_out
         super().__init__(*args, **kwargs)
 
     def _parse_swarm_progress_data(self, metadata):
         if isinstance(metadata, dict) and metadata:
+            # a peer left out of this peer's averaging adds no samples to its global steps: counted, it would make
+            # this peer step on samples no round of its averages, ahead of the other honest peers
+            left_out = self._left_out()
+            for subkey, record in list(metadata.items()):
+                value = getattr(record, "value", None)
+                peer = value.get("peer_id") if isinstance(value, dict) else None
+                if peer is not None and peer in left_out:
+                    del metadata[subkey]
+                    if ("left out", peer) not in self._noted:
+                        self._noted.add(("left out", peer))
+                        logger.info(
+                            f"swarm progress: the progress of peer {_peer_name(peer)}, left out, is not counted"
+                        )
             step, began = self._step_began
             metadata, notes = robust.plausible_progress(
                 metadata,
@@ -986,8 +1044,14 @@ class GuardedOptimizer(hivemind.Optimizer):
         self.state_averager.state_step_ceiling = self.tracker.global_epoch + 1 if seen_others else None
         return super().load_state_from_peers(**kwargs)
 
+    def _left_out_peers(self) -> set[bytes]:
+        # the tracker starts before the averagers: until they exist, nobody is left out
+        averagers = (getattr(self, "state_averager", None), getattr(self, "grad_averager", None))
+        return set().union(*(a.left_out_peers() for a in averagers if isinstance(a, GuardedAverager)))
+
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
         return BoundedProgressTracker(
+            left_out=self._left_out_peers,
             dht=self.dht,
             prefix=self.run_id,
             target_batch_size=target_batch_size,

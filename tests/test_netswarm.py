@@ -28,7 +28,8 @@ def test_quick_scenario_behind_nat_keeps_stepping_through_churn_and_ends_in_agre
     # `--quick --nat 2`: two trainers and the replacement after churn, each behind its own masquerading router (only
     # replies come in); they book slots on the first peer's relay once AutoNAT finds them private and reach each
     # other through it (or directly, where libp2p's hole punching gets through). The trainers' defaults: delayed
-    # parameter updates (DPU), then one final parameter round at --max_steps.
+    # parameter updates (DPU), then one final parameter round at --max_steps. The churn event SIGKILLs a trainer (a
+    # crash: its partner must go on) and starts a newcomer, which downloads the state and trains on.
     before = namespaces()
     result_path = tmp_path / "result.json"
     run = subprocess.run(

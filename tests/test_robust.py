@@ -199,6 +199,37 @@ def test_a_hostile_peer_in_a_pair_cannot_take_over_the_parameters():
                 optimizer.state_averager.shutdown()
 
 
+def test_a_peer_left_out_leads_no_group_of_this_peer():
+    # two real state averagers on loopback; A leaves B out from the start. B's wait ends first, which makes it the
+    # leader hivemind's matchmaking would have A follow: A does not ask it, and B cannot join A (A refuses it as its
+    # leader), so no round forms and A keeps its parameters
+    from types import SimpleNamespace
+
+    from sahajbert import hivemind_compat as compat
+    from sahajbert.stopping import FINAL_GROUP_BITS
+
+    peers = []
+    with loopback_dhts(2) as dhts:
+        try:
+            for value, dht, distrusted in ((0.0, dhts[0], [dhts[1].peer_id]), (1.0, dhts[1], [])):
+                parameters = [torch.nn.Parameter(torch.full((1000,), value))]
+                averager = sgd_state_averager(dht, parameters, "leftout", distrusted=distrusted)
+                optimizer = SimpleNamespace(local_epoch=0, scheduled_state=None, scheduled_grads=None)
+                optimizer.state_averager = averager
+                peers.append((parameters, optimizer))
+            (a_parameters, a), (_, b) = peers
+            rounds = [
+                compat.start_parameter_round(opt, FINAL_GROUP_BITS, wait, 10, 2) for opt, wait in ((a, 4), (b, 1))
+            ]
+            wait_for(lambda: all(control.done() for control in rounds), 60, "both rounds to end")
+            assert [compat.round_steps(control) for control in rounds] == [None, None]
+            compat.apply_pending_updates(a, timeout=10)
+            assert float(a_parameters[0].detach().abs().max()) == 0.0
+        finally:
+            for _, optimizer in peers:
+                optimizer.state_averager.shutdown()
+
+
 # ---- a downloaded training state ----
 
 

@@ -1,0 +1,147 @@
+"""A misbehaving peer for the robustness tests: run_trainer.py's own trainer, speaking the swarm's protocol, whose
+contributions are corrupted. `python tests/attacker.py PLAN <run_trainer.py flags>`.
+
+PLAN is [PEERS@] and comma-separated phases, each ATTACK:STEPS (STEPS global steps, counted from the first step at
+which the swarm has PEERS peers, this one included (default 1); honest before; the last phase lasts to the end),
+with ATTACK one of
+  nan           gradients of NaN
+  scaled        gradients x1e4
+  sign_flipped  gradients x-1
+  bad_reducer   the parts this peer reduces come back x1e4
+  honest        nothing wrong
+and `+progress` on any phase: progress claims of 30 steps ahead, x100 samples and x100 throughput.
+It prints `attacker peer id <id>` first, and `attack <name> at step <n>` when a phase begins.
+"""
+
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sahajbert import robust, trainer  # noqa: E402
+from sahajbert.arguments import PeerArguments, TrainerScriptArguments  # noqa: E402
+from sahajbert.cli import Flags, parse_args, setup_logging  # noqa: E402
+from sahajbert.signals import StopRequest  # noqa: E402
+
+ATTACKS = ("nan", "scaled", "sign_flipped", "bad_reducer", "honest")
+
+
+def parse_plan(plan: str) -> tuple[int, list[tuple[str, bool, int]]]:
+    peers, _, plan = plan.rpartition("@")
+    phases = []
+    for phase in plan.split(","):
+        name, _, steps = phase.partition(":")
+        attack, _, extra = name.partition("+")
+        assert attack in ATTACKS and extra in ("", "progress"), phase
+        phases.append((attack, extra == "progress", int(steps) if steps else 10**9))
+    return int(peers or 1), phases
+
+
+class Attacker(trainer.TrainerPeer):
+    progress_attack = False
+
+    def __init__(self, peer_args, phases, with_peers: int):
+        self.phases, self.with_peers = phases, with_peers
+        super().__init__(peer_args)
+        print(f"attacker peer id {self.dht.peer_id}", flush=True)
+        self.announced = None
+        self.first_step = None
+        self.dht.store = partial(inflating_store, self.dht.store)
+
+    def run(self, stop):
+        """Train once the swarm has `with_peers` peers (this one included): a lie made alone reaches nobody."""
+        deadline = time.monotonic() + 300
+        while self.peers_reporting() < self.with_peers and time.monotonic() < deadline and not stop:
+            time.sleep(0.5)
+        return super().run(stop)
+
+    def peers_reporting(self) -> int:
+        """This peer and the others with a progress record in the DHT (hivemind's tracker refreshes its own count
+        only now and then, and reports this peer only once it has samples)."""
+        found = self.dht.get(f"{self.args.swarm_args.run_id}_progress", latest=True)
+        records = found.value if found is not None and isinstance(found.value, dict) else {}
+        own = self.dht.peer_id.to_bytes()
+        return 1 + sum(1 for record in records.values() if getattr(record, "value", {}).get("peer_id") != own)
+
+    def phase(self) -> tuple[str, bool]:
+        """The phase at this global step; phases count from the step this peer first trained at."""
+        if self.first_step is None:
+            if self.peers_reporting() < self.with_peers:
+                return "honest", False  # not yet among the others: a lie now would reach nobody
+            self.first_step = self.optimizer.local_epoch
+        step, start = self.optimizer.local_epoch, self.first_step
+        for attack, progress, steps in self.phases:
+            if step < start + steps:
+                return attack, progress
+            start += steps
+        return self.phases[-1][:2]
+
+    def _forward_backward(self):
+        loss = super()._forward_backward()
+        attack, progress = self.phase()
+        if (attack, progress) != self.announced:
+            self.announced = (attack, progress)
+            print(f"attack {attack}{'+progress' if progress else ''} at step {self.optimizer.local_epoch}", flush=True)
+        if attack == "bad_reducer" and LIE_FILE is not None:
+            LIE_FILE.touch()
+        Attacker.progress_attack = progress
+        if loss is not None:
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    if p.grad is None:
+                        continue
+                    if attack == "nan":
+                        p.grad.fill_(float("nan"))
+                    elif attack == "scaled":
+                        p.grad.mul_(1e4)
+                    elif attack == "sign_flipped":
+                        p.grad.neg_()
+        return loss
+
+
+# the reducer runs in this peer's averager processes, forked before any phase begins: they read the switch from a
+# file that this process creates when a bad_reducer phase begins
+LIE_FILE: Path | None = None
+_aggregate = robust.aggregate
+
+
+def lying_aggregate(contributions, weights, how, own=None):
+    combined = _aggregate(contributions, weights, how, own)
+    if LIE_FILE is not None and LIE_FILE.exists():
+        combined.tensor = combined.tensor * 1e4
+    return combined
+
+
+def inflating_store(store, *args, **kwargs):
+    """The DHT's store, with this peer's progress record inflated while a +progress phase runs."""
+    value = kwargs.get("value")
+    if Attacker.progress_attack and str(kwargs.get("key", "")).endswith("_progress") and isinstance(value, dict):
+        kwargs["value"] = dict(
+            value,
+            epoch=value["epoch"] + 30,
+            samples_accumulated=value["samples_accumulated"] * 100,
+            samples_per_second=value["samples_per_second"] * 100,
+        )
+    return store(*args, **kwargs)
+
+
+def main() -> int:
+    setup_logging()
+    global LIE_FILE
+    with_peers, phases = parse_plan(sys.argv[1])
+    flags = Flags((PeerArguments, TrainerScriptArguments), description="a misbehaving trainer")
+    peer_args, _ = parse_args(flags, sys.argv[2:])
+    LIE_FILE = Path(peer_args.training_args.output_dir) / "lie"
+    LIE_FILE.parent.mkdir(parents=True, exist_ok=True)
+    robust.aggregate = lying_aggregate
+    with StopRequest("stopping") as stop, Attacker(peer_args, phases, with_peers) as peer:
+        peer.run(stop)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

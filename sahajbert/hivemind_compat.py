@@ -52,8 +52,23 @@ CHECKED_VERSION = "1.1.12"
 # for whatever length a peer's 8-byte header declares and holds every byte of it, so one stream could fill a peer's
 # memory. Unary requests go through the p2p daemon, which bounds them (4 MiB, DEFAULT_MAX_MSG_SIZE).
 MAX_STREAM_MESSAGE_BYTES = 8 * 2**20
-_refused_messages = {"count": 0, "logged_at": -math.inf}
-REFUSED_LOG_EVERY = 10.0  # seconds between two lines about refused messages: a flood must not flood the log too
+REFUSED_LOG_EVERY = 10.0  # seconds between two lines about refused input of one kind: a flood must not flood the log
+
+
+class _RefusalLog:
+    """Counts what a bound refused, and logs it at most once a REFUSED_LOG_EVERY, with the count so far."""
+
+    def __init__(self) -> None:
+        self.count, self.logged_at = 0, -math.inf
+
+    def refused(self, line: str) -> None:
+        self.count, now = self.count + 1, time.monotonic()
+        if now - self.logged_at >= REFUSED_LOG_EVERY:
+            self.logged_at = now
+            logger.warning(f"{line}; {self.count} such so far")
+
+
+_refused_messages = _RefusalLog()
 
 
 async def _bounded_receive_raw_data(reader: asyncio.StreamReader) -> bytes:
@@ -62,14 +77,9 @@ async def _bounded_receive_raw_data(reader: asyncio.StreamReader) -> bytes:
     header = await reader.readexactly(hivemind.p2p.P2P.HEADER_LEN)
     length = int.from_bytes(header, hivemind.p2p.P2P.BYTEORDER)
     if length > MAX_STREAM_MESSAGE_BYTES:
-        refused, now = _refused_messages, time.monotonic()
-        refused["count"] += 1
-        if now - refused["logged_at"] >= REFUSED_LOG_EVERY:
-            refused["logged_at"] = now
-            logger.warning(
-                f"closed a p2p stream whose message declared {length} bytes (the bound is "
-                f"{MAX_STREAM_MESSAGE_BYTES}); {refused['count']} such so far"
-            )
+        _refused_messages.refused(
+            f"closed a p2p stream whose message declared {length} bytes (the bound is {MAX_STREAM_MESSAGE_BYTES})"
+        )
         raise asyncio.IncompleteReadError(partial=b"", expected=length)
     return await reader.readexactly(length)
 
@@ -84,15 +94,11 @@ hivemind.p2p.P2P.receive_raw_data = staticmethod(_bounded_receive_raw_data)
 MAX_RECORD_BYTES = 4 * 2**10  # one value, or one subkey's value, with its signature
 MAX_STORED_RECORDS = 10_000  # values and subkeys' values together, per storage (this peer's records and its cache)
 RECOUNT_EVERY = 1.0  # seconds between two counts of a full storage's records (some may have expired)
-_refused_records = {"count": 0, "logged_at": -math.inf}
+_refused_records = _RefusalLog()
 
 
 def _refuse_record(why: str) -> bool:
-    refused, now = _refused_records, time.monotonic()
-    refused["count"] += 1
-    if now - refused["logged_at"] >= REFUSED_LOG_EVERY:
-        refused["logged_at"] = now
-        logger.warning(f"refused to store a DHT record: {why}; {refused['count']} refused so far")
+    _refused_records.refused(f"refused to store a DHT record: {why}")
     return False
 
 

@@ -116,7 +116,7 @@ class AuxPeer(SwarmPeer):
                     config={"run_id": swarm_args.run_id},
                 )
         except BaseException:
-            self.close()
+            self.leave()
             raise
         self.uploader = HubUploader(aux_args.hub_model_id, aux_args.upload_interval) if aux_args.push_to_hub else None
         saved = checkpoints.list_checkpoints(peer_args.training_args.output_dir)

@@ -277,12 +277,18 @@ class SwarmPeer:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        self.leave()
+
+    def leave(self) -> None:
+        """close() with SIGINT/SIGTERM ignored from its first line (a role's stream, its dashboard) to its last: a
+        second signal that stopped it at once there would skip leaving the swarm, and hivemind's progress tracker,
+        never shut down, would then keep the process from exiting."""
+        with ignoring_signals():
+            self.close()
 
     def close(self) -> None:
         if self.access is not None:
             self.access.stop()
-        with ignoring_signals():
-            if self.optimizer is not None:
-                self.optimizer.shutdown()
-            self.dht.shutdown()
+        if self.optimizer is not None:
+            self.optimizer.shutdown()
+        self.dht.shutdown()

@@ -127,7 +127,7 @@ class TrainerPeer(SwarmPeer):
             self.compute = build_compute(self.model, device_info, precision)
             self.batches = self._build_stream(forward_batch, on_xla=device_info.kind == "tpu")
         except BaseException:
-            self.close()
+            self.leave()
             raise
 
         self.good_state = LastGoodState(self.optimizer, pending_update_timeout=self._pending_update_timeout)

@@ -718,6 +718,41 @@ STATE_SLACK_BYTES = 4096  # per tensor of a downloaded state: its serialized hea
 SERVING_WAIT_UNTIMED = 10.0  # seconds to wait for served streams when the averager has no chunk timeout
 
 
+# Averaging requests this peer serves at once, from one peer and from all. An honest peer asks to join one group at a
+# time, sends one stream per round to each reducer (two while a round ends as the next begins) and downloads one
+# state at a time; a state upload (the whole model and its optimizer statistics, GBs for sahajbert-XL) takes this
+# peer's upload link for minutes, so few run at once. Beyond that a request is answered as a busy peer would be.
+MAX_REQUESTS_PER_PEER = {"join": 2, "part": 4, "state": 1}
+MAX_REQUESTS = {"join": 256, "part": 256, "state": 4}
+_REQUEST_NAMES = {"join": "request to join a group", "part": "all-reduce stream", "state": "state download"}
+_refused_requests = _RefusalLog()
+
+
+class _OpenRequests:
+    """Counts the requests of one kind that an averager is serving, per caller; refuses those over the bounds."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind, self.total, self.by_peer = kind, 0, {}
+
+    def enter(self, peer: PeerID) -> bool:
+        own = self.by_peer.get(peer, 0)
+        per_peer, total = MAX_REQUESTS_PER_PEER[self.kind], MAX_REQUESTS[self.kind]
+        if own >= per_peer or self.total >= total:
+            bound = f"{per_peer} from one peer" if own >= per_peer else f"{total} in all"
+            _refused_requests.refused(
+                f"refused a {_REQUEST_NAMES[self.kind]} from peer {peer}: this peer serves at most {bound} at once"
+            )
+            return False
+        self.by_peer[peer], self.total = own + 1, self.total + 1
+        return True
+
+    def leave(self, peer: PeerID) -> None:
+        self.total -= 1
+        self.by_peer[peer] -= 1
+        if not self.by_peer[peer]:
+            del self.by_peer[peer]
+
+
 class GuardedAverager:
     """Averaging RPCs only for callers that `gate` admits (sahajbert.access.Gate); mixed into hivemind's averagers.
 
@@ -744,6 +779,7 @@ class GuardedAverager:
         # set before hivemind starts the averager's process, which gets a copy of them
         self.gate, self.aggregation = gate, replace(aggregation, pair_factor=self.pair_factor)
         self._serving = 0  # all-reduce streams this averager is answering (counted in its own process)
+        self._open = {kind: _OpenRequests(kind) for kind in MAX_REQUESTS}  # likewise, in its process
         # peers left out: `distrusted` from the start, then reducers caught returning implausible averages and peers
         # that served a refused state (added in its process)
         self._distrusted: set[PeerID] = set(distrusted)
@@ -923,24 +959,39 @@ class GuardedAverager:
 
         return await self.gate.admits(context.remote_id, read)
 
+    async def _served(self, kind: str, context: P2PContext, answer: AsyncIterator, busy=None) -> AsyncIterator:
+        """hivemind's `answer` to an admitted caller, within this averager's bounds on open requests of `kind`
+        (MAX_REQUESTS_PER_PEER, MAX_REQUESTS); `busy` (if any) when over them."""
+        if not self._open[kind].enter(context.remote_id):
+            if busy is not None:
+                yield busy
+            return
+        try:
+            async for message in answer:
+                yield message
+        finally:
+            self._open[kind].leave(context.remote_id)
+
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
         if not await self._admits(context):
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
-        async for message in super().rpc_join_group(request, context):
+        busy = averaging_pb2.MessageFromLeader(code=averaging_pb2.GROUP_IS_FULL)
+        async for message in self._served("join", context, super().rpc_join_group(request, context), busy):
             yield message
 
     async def rpc_aggregate_part(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        refused = averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
         if not await self._admits(context):
-            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            yield refused
             return
         self._serving += 1
         try:
-            async for message in super().rpc_aggregate_part(stream, context):
+            async for message in self._served("part", context, super().rpc_aggregate_part(stream, context), refused):
                 yield message
         finally:
             self._serving -= 1
@@ -948,9 +999,10 @@ class GuardedAverager:
     async def rpc_download_state(
         self, request: averaging_pb2.DownloadRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        # refused: what hivemind answers when it does not share its state, and the caller tries the next peer
         if not await self._admits(context):
-            return  # what hivemind answers when it does not share its state: the caller tries the next peer
-        async for message in super().rpc_download_state(request, context):
+            return
+        async for message in self._served("state", context, super().rpc_download_state(request, context)):
             yield message
 
 
@@ -1002,19 +1054,6 @@ class BoundedProgressTracker(ProgressTracker):
 
     def _parse_swarm_progress_data(self, metadata):
         if isinstance(metadata, dict) and metadata:
-            # a peer left out of this peer's averaging adds no samples to its global steps: counted, it would make
-            # this peer step on samples no round of its averages, ahead of the other honest peers
-            left_out = self._left_out()
-            for subkey, record in list(metadata.items()):
-                value = getattr(record, "value", None)
-                peer = value.get("peer_id") if isinstance(value, dict) else None
-                if peer is not None and peer in left_out:
-                    del metadata[subkey]
-                    if ("left out", peer) not in self._noted:
-                        self._noted.add(("left out", peer))
-                        logger.info(
-                            f"swarm progress: the progress of peer {_peer_name(peer)}, left out, is not counted"
-                        )
             step, began = self._step_began
             metadata, notes = robust.plausible_progress(
                 metadata,
@@ -1022,6 +1061,7 @@ class BoundedProgressTracker(ProgressTracker):
                 own_epoch=self.local_progress.epoch,
                 target=self.target_batch_size,
                 step_seconds=time.monotonic() - began,
+                left_out=self._left_out(),
             )
             for note, peer in notes:
                 kind = note.split(" of ")[0]  # once per peer and kind of change: claims repeat at every refresh

@@ -29,6 +29,7 @@ A receiver also checks what a reducer sends back (`implausible`): a reducer may 
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -154,13 +155,20 @@ SAMPLES_SLACK = 2.0  # a claimed count above twice what the (capped) throughput 
 
 
 def plausible_progress(
-    claims: dict, own_peer: bytes, own_epoch: int, target: int, step_seconds: float
+    claims: dict,
+    own_peer: bytes,
+    own_epoch: int,
+    target: int,
+    step_seconds: float,
+    left_out: Collection[bytes] = (),
 ) -> tuple[dict, list[tuple[str, bytes]]]:
     """The progress records hivemind's tracker reads (subkey -> record with a dict `value`: peer_id, epoch,
     samples_accumulated, samples_per_second, client_mode), bounded; and (what was done, peer) for each claim changed
     or ignored.
 
     - a record with a non-finite or negative number is ignored;
+    - so is the record of a peer in `left_out` (this peer's averagers left it out): its samples would make this peer
+      step on samples that no round of its averages holds, ahead of the other honest peers;
     - the swarm's step (hivemind takes the highest any peer reports) is at most the lower median of the other
       serving peers' steps: more than half of them must be there, so one peer cannot end or skip others' runs
       (a peer that joins a run in progress still follows them: all others are ahead). A claim one step ahead is
@@ -178,6 +186,9 @@ def plausible_progress(
         numbers = [value.get(k) for k in ("epoch", "samples_accumulated", "samples_per_second", "time")]
         if not all(isinstance(x, int | float) and math.isfinite(x) and x >= 0 for x in numbers):
             notes.append(("ignored a progress record with invalid numbers", value.get("peer_id", b"")))
+            continue
+        if value.get("peer_id") in left_out:
+            notes.append(("did not count the progress of a peer left out of this peer's averaging", value["peer_id"]))
             continue
         records[subkey] = record
     others = sorted(

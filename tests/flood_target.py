@@ -1,9 +1,10 @@
 """A peer for tests/test_bounds.py to flood: a DHT and a started state averager, on 127.0.0.1.
 
-`python tests/flood_target.py ours` runs ours (sahajbert.hivemind_compat imported: its stream-message and DHT
+`python tests/flood_target.py ours [VALUES]` runs ours (sahajbert.hivemind_compat imported: its stream-message and DHT
 storage bounds in force, GuardedStateAverager, the link probe served); `plain` runs hivemind's TrainingStateAverager
 without importing our package (the control). Prints one JSON line (the DHT's addresses, the DHT's and the averager's
-process ids, the all-reduce handler's name), then runs until its stdin closes.
+process ids, the all-reduce handler's name), then runs until its stdin closes. Its state is VALUES parameters
+(default 1000).
 """
 
 import json
@@ -19,7 +20,7 @@ PREFIX = "flood"
 
 
 def main() -> None:
-    kind = sys.argv[1]
+    kind, values = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1000
     averager_class = TrainingStateAverager
     if kind == "ours":  # imported before any hivemind process starts: each one forks with the bound in force
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -33,7 +34,7 @@ def main() -> None:
     averager = averager_class(
         dht=dht,
         optimizer=partial(torch.optim.SGD, lr=0.1),
-        params=[torch.nn.Parameter(torch.zeros(1000))],
+        params=[torch.nn.Parameter(torch.zeros(values))],
         prefix=PREFIX,
         start=True,
     )

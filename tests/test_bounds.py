@@ -13,13 +13,16 @@ import pytest
 from hivemind.dht.node import DHTNode
 from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DHTLocalStorage
+from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.p2p import P2P, PeerID
+from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 
 from sahajbert.adaptive import PROBE_CHUNK, PROBE_PROTOCOL
 from sahajbert.arguments import MAX_RECORD_LIFETIME
 from sahajbert.hivemind_compat import (
     MAX_RECORD_BYTES,
+    MAX_REQUESTS_PER_PEER,
     MAX_STORED_RECORDS,
     MAX_STREAM_MESSAGE_BYTES,
     RECOUNT_EVERY,
@@ -35,10 +38,11 @@ ARRIVAL_WAIT = 60.0  # seconds for what was sent into an open stream to reach th
 
 
 @contextmanager
-def target(kind: str):
-    """A flood target (tests/flood_target.py) in its own process; what it printed about itself."""
+def target(kind: str, values: int = 1000):
+    """A flood target (tests/flood_target.py, its state `values` parameters) in its own process; what it printed
+    about itself."""
     process = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "flood_target.py"), kind],
+        [sys.executable, str(ROOT / "tests" / "flood_target.py"), kind, str(values)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -224,3 +228,50 @@ def test_a_flood_of_dht_records_cannot_fill_a_peers_memory(our_peer):
     assert MAX_STORED_RECORDS - 100 <= ours["accepted"] <= MAX_STORED_RECORDS, results
     assert ours["growth_mib"] < bound_mib + 32, results
     assert ours["long_lived"] == [False], results
+
+
+# the state a flood target serves: 128 MiB, far more than the p2p daemons and sockets buffer, so that a download the
+# flooder does not read stays open (and counted) while it opens the others
+STATE_VALUES = 2**25
+DOWNLOADS = 6
+
+
+async def first_message(stub, timeout: float = 60.0):
+    """Open a state download and read its first message: (the stream, whether any data came)."""
+    stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+    try:
+        await asyncio.wait_for(anext(stream), timeout)
+        return stream, True
+    except StopAsyncIteration:  # the target shares nothing with this caller
+        return stream, False
+
+
+async def flood_state_downloads(info: dict) -> dict:
+    """Open DOWNLOADS state downloads at once and keep them open; how many were served; then, all closed, whether
+    one more is served (a bound must not keep counting downloads that ended)."""
+    async with connected(info) as (p2p, peer):
+        stub = TrainingStateAverager.get_stub(p2p, peer, namespace="flood")
+        opened = await asyncio.gather(*(first_message(stub) for _ in range(DOWNLOADS)))
+        served = sum(got for _, got in opened)
+        for stream, _ in opened:
+            await stream.aclose()
+        deadline, again = time.monotonic() + 60, False
+        while not again and time.monotonic() < deadline:
+            stream, again = await first_message(stub)
+            await stream.aclose()
+            if not again:
+                await asyncio.sleep(1.0)
+        return {"served_at_once": served, "served_after": again}
+
+
+@pytest.mark.slow
+def test_one_peer_downloads_one_state_at_a_time():
+    # hivemind's averager (the control) uploads its whole state to every request at once; ours serves one download
+    # per peer at a time and refuses the others as a peer that shares nothing would, so the caller tries another
+    results = {}
+    for kind in ("plain", "ours"):
+        with target(kind, STATE_VALUES) as info:
+            results[kind] = asyncio.run(flood_state_downloads(info))
+    assert results["plain"]["served_at_once"] == DOWNLOADS, results
+    assert results["ours"]["served_at_once"] == MAX_REQUESTS_PER_PEER["state"] == 1, results
+    assert results["ours"]["served_after"], results

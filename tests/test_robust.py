@@ -151,6 +151,22 @@ def test_one_peer_cannot_move_the_swarm_step():
     assert set(kept) == {b"a", b"b"}
 
 
+def test_a_left_out_peer_adds_nothing_to_the_swarm_progress():
+    # x's samples would fill most of this peer's batch: once this peer's averagers left x out, they do not count
+    claims = {b"a": record(b"a", 3, samples=10), b"b": record(b"b", 3, samples=10), b"x": record(b"x", 3, samples=60)}
+    kept, _ = plausible_progress(claims, own_peer=b"a", own_epoch=3, target=96, step_seconds=10.0)
+    assert set(kept) == {b"a", b"b", b"x"} and kept[b"x"].value["samples_accumulated"] == 60
+    kept, notes = plausible_progress(claims, own_peer=b"a", own_epoch=3, target=96, step_seconds=10.0, left_out={b"x"})
+    assert set(kept) == {b"a", b"b"}
+    assert notes == [("did not count the progress of a peer left out of this peer's averaging", b"x")]
+    # nor does its step: with b, it would make a majority of the others (b, c, x) at step 9
+    claims = {b"a": record(b"a", 3), b"b": record(b"b", 9), b"c": record(b"c", 3), b"x": record(b"x", 9)}
+    kept, _ = plausible_progress(claims, own_peer=b"a", own_epoch=3, target=96, step_seconds=1.0)
+    assert set(kept) == {b"a", b"b", b"c", b"x"}
+    kept, notes = plausible_progress(claims, own_peer=b"a", own_epoch=3, target=96, step_seconds=1.0, left_out=[b"x"])
+    assert set(kept) == {b"a", b"c"} and ("ignored a claim of step 9 (most peers are at 3 or below)", b"b") in notes
+
+
 def test_inflated_samples_and_throughput_are_capped():
     claims = {
         b"a": record(b"a", 1, samples=20, rate=10.0),

@@ -753,6 +753,24 @@ class _OpenRequests:
             del self.by_peer[peer]
 
 
+class _LeftOut:
+    """The peers one averager leaves out, as its own process sees them: those it was given, those it caught, and those
+    the peer's other averager caught, which arrive through `inbox` (fed by `GuardedAverager.leave_out`). A peer that
+    served implausible gradient averages is left out of the parameter rounds too, and the other way round."""
+
+    def __init__(self, peers=()):
+        self.peers: set[PeerID] = set(peers)
+        self.inbox = mp.SimpleQueue()
+
+    def __contains__(self, peer_id: PeerID) -> bool:
+        while not self.inbox.empty():
+            self.peers.add(PeerID(self.inbox.get()))
+        return peer_id in self.peers
+
+    def add(self, peer_id: PeerID) -> None:
+        self.peers.add(peer_id)
+
+
 class GuardedAverager:
     """Averaging RPCs only for callers that `gate` admits (sahajbert.access.Gate); mixed into hivemind's averagers.
 
@@ -781,11 +799,12 @@ class GuardedAverager:
         self._serving = 0  # all-reduce streams this averager is answering (counted in its own process)
         self._open = {kind: _OpenRequests(kind) for kind in MAX_REQUESTS}  # likewise, in its process
         # peers left out: `distrusted` from the start, then reducers caught returning implausible averages and peers
-        # that served a refused state (added in its process)
-        self._distrusted: set[PeerID] = set(distrusted)
-        # each peer left out in the averager's process is also sent here, for this peer's progress tracker
+        # that served a refused state (added in its process), and those the peer's other averager left out
+        self._distrusted = _LeftOut(distrusted)
+        # each peer left out in the averager's process is also sent here, for this peer's progress tracker and its
+        # other averager
         self._left_out_channel = mp.SimpleQueue()
-        self._left_out_seen: set[bytes] = {peer.to_bytes() for peer in self._distrusted}
+        self._left_out_seen: set[bytes] = {peer.to_bytes() for peer in self._distrusted.peers}
         self._state_template: robust.StateTemplate | None = None  # what a downloaded state must match
         super().__init__(*args, **kwargs)
 
@@ -809,6 +828,12 @@ class GuardedAverager:
         while not self._left_out_channel.empty():
             self._left_out_seen.add(self._left_out_channel.get())
         return self._left_out_seen
+
+    def leave_out(self, peers: set[bytes]) -> None:
+        """Leave out `peers` (left out by this peer's other averager) from now on; from the process that made it."""
+        for peer in peers - self.left_out_peers():
+            self._left_out_seen.add(peer)
+            self._distrusted.inbox.put(peer)
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id: bytes | None = None, **kwargs):
         """hivemind's own (averager.py), with RobustAllReduceRunner in place of AllReduceRunner: run the group's
@@ -1093,7 +1118,11 @@ class GuardedOptimizer(hivemind.Optimizer):
     def _left_out_peers(self) -> set[bytes]:
         # the tracker starts before the averagers: until they exist, nobody is left out
         averagers = (getattr(self, "state_averager", None), getattr(self, "grad_averager", None))
-        return set().union(*(a.left_out_peers() for a in averagers if isinstance(a, GuardedAverager)))
+        averagers = [a for a in averagers if isinstance(a, GuardedAverager)]
+        left_out = set().union(*(a.left_out_peers() for a in averagers))
+        for averager in averagers:  # what one averager caught, the other leaves out too
+            averager.leave_out(left_out)
+        return left_out
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
         return BoundedProgressTracker(

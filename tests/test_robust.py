@@ -246,6 +246,39 @@ def test_a_peer_left_out_leads_no_group_of_this_peer():
                 optimizer.state_averager.shutdown()
 
 
+def test_a_peer_left_out_by_one_averager_is_left_out_by_the_other():
+    # peer A's two averagers (as its optimizer's gradient and state averagers), the second serving its state; B
+    # downloads that state. Once A's first averager has left B out (here: from the start), and A's optimizer has told
+    # the second (as GuardedOptimizer does whenever its tracker reads progress), the second serves B nothing
+    averagers = []
+    with loopback_dhts(2) as dhts:
+        a, b = dhts
+        try:
+            served = torch.nn.Parameter(torch.ones(100))
+            first = sgd_state_averager(a, [torch.nn.Parameter(torch.ones(100))], "first", distrusted=[b.peer_id])
+            second = sgd_state_averager(a, [served], "second")
+            downloaded = torch.nn.Parameter(torch.zeros(100))
+            downloader = sgd_state_averager(b, [downloaded], "second")
+            averagers += [first, second, downloader]
+
+            def declared():
+                found = b.get("second.all_averagers", latest=True)
+                return found is not None and a.peer_id.to_bytes() in found.value
+
+            wait_for(declared, 60, "A's state declared in the DHT", interval=0.2)
+            downloader.load_state_from_peers(timeout=30)  # hivemind's state averager loads it in place
+            assert torch.equal(downloaded.detach(), served.detach())  # served, as to any peer
+            assert first.left_out_peers() == {b.peer_id.to_bytes()} and not second.left_out_peers()
+            second.leave_out(first.left_out_peers())
+            with torch.no_grad():
+                served.fill_(2.0)
+            downloader.load_state_from_peers(timeout=30)
+            assert float(downloaded.detach().max()) == 1.0  # not served: B keeps what it had
+        finally:
+            for averager in averagers:
+                averager.shutdown()
+
+
 # ---- a downloaded training state ----
 
 

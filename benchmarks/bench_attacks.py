@@ -33,7 +33,7 @@ PLANS = {
 }
 # evidence in the honest trainers' logs that the defence met the attacker ({id}: the attacker's peer id)
 CAUGHT = (
-    "dropped the non-finite contribution of {id}",
+    "dropped the non-finite or misshapen contribution of {id}",
     "bounded the outlying contribution of {id}",
     "from peer {id}",
     "peer {id} is left out",
@@ -63,7 +63,9 @@ def scenario(work: Path, attack: str, aggregation: str, args, initial_peers: lis
     if attack != "clean":
         plan = f"{peers}@{PLANS[attack]}"
         for i in range(args.attackers):
-            flags = trainer_flags(run_id, initial_peers, args.steps, folder / f"attacker{i}", aggregation)
+            # the attacker's own rule is always a robust one: its lying reducer wraps robust.aggregate, which
+            # hivemind's plain reducer never calls
+            flags = trainer_flags(run_id, initial_peers, args.steps, folder / f"attacker{i}", "centered_clip")
             attackers.append(PeerProcess(ROOT / "tests" / "attacker.py", [plan, *flags], folder / f"attacker{i}.log"))
     honest = []
     for i in range(args.honest):

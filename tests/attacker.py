@@ -1,18 +1,24 @@
 """A misbehaving peer for the robustness tests: run_trainer.py's own trainer, speaking the swarm's protocol, whose
 contributions are corrupted. `python tests/attacker.py PLAN <run_trainer.py flags>`.
 
-PLAN is [PEERS@] and comma-separated phases, each ATTACK:STEPS (STEPS global steps, counted from the first step at
-which the swarm has PEERS peers, this one included (default 1); honest before; the last phase lasts to the end),
-with ATTACK one of
+PLAN is [PEERS@] and comma-separated phases, each ATTACK:ROUNDS, with ROUNDS the gradient rounds this peer takes
+part in with at least PEERS peers, this one included (default 1): a phase ends only once its attack reached the
+others that many times, however matchmaking groups the peers. Honest until the swarm has PEERS peers; the last phase
+lasts to the end. ATTACK is one of
   nan           gradients of NaN
   scaled        gradients x1e4
   sign_flipped  gradients x-1
   bad_reducer   the parts this peer reduces come back x1e4
   honest        nothing wrong
 and `+progress` on any phase: progress claims of 30 steps ahead, x100 samples and x100 throughput.
+PLAN can also be [PEERS@]file:PATH: the phase is what PATH holds (ATTACK[+progress]), read at every pass, honest
+while PATH does not exist: a test moves the attacker on once the honest peers' logs show the current attack reached
+them.
 It prints `attacker peer id <id>` first, and `attack <name> at step <n>` when a phase begins.
 """
 
+import logging
+import re
 import sys
 import time
 from functools import partial
@@ -30,14 +36,20 @@ from sahajbert.signals import StopRequest  # noqa: E402
 ATTACKS = ("nan", "scaled", "sign_flipped", "bad_reducer", "honest")
 
 
-def parse_plan(plan: str) -> tuple[int, list[tuple[str, bool, int]]]:
+def parse_phase(name: str) -> tuple[str, bool]:
+    attack, _, extra = name.partition("+")
+    assert attack in ATTACKS and extra in ("", "progress"), name
+    return attack, extra == "progress"
+
+
+def parse_plan(plan: str) -> tuple[int, list[tuple[str, bool, int]] | Path]:
     peers, _, plan = plan.rpartition("@")
+    if plan.startswith("file:"):
+        return int(peers or 1), Path(plan.removeprefix("file:"))
     phases = []
     for phase in plan.split(","):
-        name, _, steps = phase.partition(":")
-        attack, _, extra = name.partition("+")
-        assert attack in ATTACKS and extra in ("", "progress"), phase
-        phases.append((attack, extra == "progress", int(steps) if steps else 10**9))
+        name, _, rounds = phase.partition(":")
+        phases.append((*parse_phase(name), int(rounds) if rounds else 10**9))
     return int(peers or 1), phases
 
 
@@ -49,7 +61,10 @@ class Attacker(trainer.TrainerPeer):
         super().__init__(peer_args)
         print(f"attacker peer id {self.dht.peer_id}", flush=True)
         self.announced = None
-        self.first_step = None
+        self.among_others = False
+        self.full_rounds = FullRounds(with_peers)
+        # first of the optimizer logger's filters: the trainer's RoundMonitor drops INFO lines without --verbose
+        logging.getLogger("hivemind.optim.optimizer").filters.insert(0, self.full_rounds)
         self.dht.store = partial(inflating_store, self.dht.store)
 
     def run(self, stop):
@@ -68,16 +83,18 @@ class Attacker(trainer.TrainerPeer):
         return 1 + sum(1 for record in records.values() if getattr(record, "value", {}).get("peer_id") != own)
 
     def phase(self) -> tuple[str, bool]:
-        """The phase at this global step; phases count from the step this peer first trained at."""
-        if self.first_step is None:
+        """The phase now: what the phase file holds, or each planned phase for its number of gradient rounds."""
+        if not self.among_others:
             if self.peers_reporting() < self.with_peers:
                 return "honest", False  # not yet among the others: a lie now would reach nobody
-            self.first_step = self.optimizer.local_epoch
-        step, start = self.optimizer.local_epoch, self.first_step
-        for attack, progress, steps in self.phases:
-            if step < start + steps:
+            self.among_others = True
+        if isinstance(self.phases, Path):
+            return parse_phase(self.phases.read_text().strip()) if self.phases.exists() else ("honest", False)
+        done, end = self.full_rounds.count, 0
+        for attack, progress, rounds in self.phases:
+            end += rounds
+            if done < end:
                 return attack, progress
-            start += steps
         return self.phases[-1][:2]
 
     def _forward_backward(self):
@@ -101,6 +118,23 @@ class Attacker(trainer.TrainerPeer):
                     elif attack == "sign_flipped":
                         p.grad.neg_()
         return loss
+
+
+class FullRounds(logging.Filter):
+    """Counts this peer's gradient rounds with at least `peers` peers, from hivemind's "Averaged gradients with N
+    peers" line (its own group: each other peer received this peer's parts of that round)."""
+
+    DONE = re.compile(r"^Averaged gradients with (\d+) peers$")
+
+    def __init__(self, peers: int):
+        super().__init__()
+        self.peers, self.count = peers, 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if (match := self.DONE.match(record.getMessage())) and int(match.group(1)) >= self.peers:
+            self.count += 1
+            print(f"attacker: gradient round {self.count} with {match.group(1)} peers", flush=True)
+        return True
 
 
 # the reducer runs in this peer's averager processes, forked before any phase begins: they read the switch from a

@@ -7,6 +7,7 @@ honest trainers keep their identities (so their data order) in every run.
 
 import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,23 +19,20 @@ from sahajbert.train_log import read_train_log as train_log
 
 from .swarm_helpers import TINY_TRAINING, first_peer, script, start_peer, swarm_loss
 
-# Not yet reliable enough for CI (2 of 4 local runs passed in this form; see benchmarks/README.md): run it with
-# SAHAJBERT_SWARM_ATTACK_TEST=1 python -m pytest tests/test_robustness.py
+# Out of CI for its time (260-290 s locally, more than what is left of CI's 45 minutes), not its reliability: run it
+# with SAHAJBERT_SWARM_ATTACK_TEST=1 python -m pytest tests/test_robustness.py
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
         os.environ.get("SAHAJBERT_SWARM_ATTACK_TEST") != "1",
-        reason="opt-in until reliable: SAHAJBERT_SWARM_ATTACK_TEST=1",
+        reason="opt-in (its time): SAHAJBERT_SWARM_ATTACK_TEST=1",
     ),
 ]
 
-STEPS = 7
+STEPS = 9
 # a small batch, so that a step takes seconds and every peer, the attacker included, takes part in most rounds
 COMMON = ["--max_steps", str(STEPS), "--target_batch_size", "96", "--final_averaging_window", "20"]
-# the attacker's phases, by global step from the first with both honest trainers: NaN gradients while claiming to
-# be 30 steps ahead with x100 samples, then x1e4-scaled and sign-flipped gradients, then averages x1e4 for the
-# parts it reduces (caught at once, after which it is left out)
-PLAN = "3@nan+progress:2,scaled:1,sign_flipped:1,bad_reducer"
+PHASE_WAIT = 120.0  # seconds for an attack to show in the honest trainers' logs
 
 
 def honest(tmp_path, name, run_id, initial_peers, *extra) -> PeerProcess:
@@ -71,6 +69,51 @@ def weights(output_dir):
     return load_model(latest_checkpoint(output_dir)).state_dict()
 
 
+def run_the_attacks(phase_file: Path, bad: PeerProcess, run: list[PeerProcess], attacker_id: str) -> list[str]:
+    """Move the attacker from one attack to the next once the honest trainers' logs show that the current one
+    reached them: NaN gradients while claiming to be 30 steps ahead with x100 samples (its NaN dropped by an honest
+    reducer, its claim ignored), x1e4-scaled gradients with the same claims (bounded by an honest reducer, or its
+    averages caught), sign-flipped gradients (for one of its gradient rounds with both honest trainers), then x1e4
+    averages for the parts it reduces (caught). An honest trainer that gets x1e4 averages from it leaves it out from
+    then on (also in a group of two during the x1e4 phase, where it reduces a part from its own x1e4 gradients and the
+    pair rule keeps the honest one near them): no later attack reaches anyone, and the plan ends there. Returns the
+    attacks it went through."""
+    left_out = f"peer {attacker_id} is left out of this peer's averaging"
+
+    def seen(*lines: str):
+        return lambda: all(any(re.search(line, peer.output()) for peer in run) for line in lines)
+
+    def more_rounds_than(before: int):
+        return lambda: bad.output().count("attacker: gradient round") > before
+
+    def landed_or_ended(reached):
+        return lambda: reached() or not all(peer.running() for peer in run)
+
+    plan = [
+        (
+            "nan+progress",
+            seen(
+                f"dropped the non-finite or misshapen contribution of {attacker_id}",
+                rf"swarm progress: ignored a claim of step 3\d .*, from peer {attacker_id}",
+            ),
+        ),
+        ("scaled+progress", lambda: seen(f"bounded the outlying contribution of {attacker_id}")() or seen(left_out)()),
+        ("sign_flipped", None),
+        ("bad_reducer", seen(left_out)),
+    ]
+    done = []
+    for phase, reached in plan:
+        if seen(left_out)():
+            break
+        if reached is None:  # no log line tells a sign flip: one more of its rounds with both honest trainers
+            reached = more_rounds_than(bad.output().count("attacker: gradient round"))
+        phase_file.write_text(phase)
+        done.append(phase)
+        wait_for(landed_or_ended(reached), PHASE_WAIT, f"the {phase} attack to land")
+        assert reached(), f"the {phase} attack did not reach the honest trainers before they ended"
+    return done
+
+
 def test_a_misbehaving_peer_cannot_poison_the_run(tmp_path):
     first, initial_peers = first_peer(tmp_path / "first_peer", "robust")
     started: list[PeerProcess] = []
@@ -81,7 +124,7 @@ def test_a_misbehaving_peer_cannot_poison_the_run(tmp_path):
         clean = [honest(tmp_path, f"h{i}", "clean", initial_peers) for i in range(2)]
         plain = ["--aggregation", "plain", "--max_steps", "1000"]
         control = [honest(tmp_path, f"c{i}", "control", initial_peers, *plain) for i in range(2)]
-        control.append(attacker(tmp_path, "control", initial_peers, "nan", "--max_steps", "1000"))
+        control.append(attacker(tmp_path, "control", initial_peers, "3@nan", "--max_steps", "1000"))
         started += [*clean, *control]
         try:
             # honest trainers never send non-finite gradients (they drop such a pass): only the attacker's, averaged
@@ -108,46 +151,44 @@ def test_a_misbehaving_peer_cannot_poison_the_run(tmp_path):
         assert swarm_loss(clean_logs, [STEPS]) < swarm_loss(clean_logs, [1])
         clean_loss = swarm_loss(clean_logs, [STEPS - 1, STEPS])
 
-        # 3. with the defence (the default): every attack reaches the honest trainers, and they train on
-        # the attacker starts first and trains once it sees both honest trainers: all three train from step 0
-        bad = attacker(tmp_path, "attacked", initial_peers, PLAN)
+        # 3. with the defence (the default): every attack reaches the honest trainers, and they train on. The
+        # attacker starts first and trains once it sees both honest trainers: all three train from step 0
+        phase_file = tmp_path / "attacked" / "phase"
+        bad = attacker(tmp_path, "attacked", initial_peers, f"3@file:{phase_file}")
         started.append(bad)
         run = []
         try:
             wait_for(lambda: "attacker peer id" in bad.output(), 240, "the attacker to join")
+            attacker_id = re.search(r"attacker peer id (\S+)", bad.output()).group(1)
             run = [honest(tmp_path, f"h{i}", "attacked", initial_peers) for i in range(2)]
             started += run
+            attacks = run_the_attacks(phase_file, bad, run, attacker_id)
         finally:
             wait_all([*run, bad], 400)
     finally:
         for peer in started:  # whatever an assertion left running
             peer.stop()
         first.stop()
-    attacker_id = re.search(r"attacker peer id (\S+)", bad.output()).group(1)
+    print("attacks that reached the honest trainers, in order:", attacks)
     outputs = "\n".join(peer.output() for peer in run)
-    # the attacker took part: an honest reducer dropped its NaN gradients or bounded its x1e4 ones (which of its
-    # three gradient-attack steps lands in an honest reducer's part depends on how matchmaking groups the peers; the
-    # sign flip is asserted through its effect only), its progress claims were ignored, and its x1e4 averages
-    # caught (it is then left out of the honest peers' groups)
-    caught = [f"{what} contribution of {attacker_id}" for what in ("dropped the non-finite", "bounded the outlying")]
-    assert any(line in outputs for line in caught), outputs[-4000:]
-    assert re.search(rf"swarm progress: ignored a claim of step 3\d .*, from peer {attacker_id}", outputs), outputs[
-        -4000:
-    ]
+    # each attack reached them (run_the_attacks waited for each one's evidence), and the attacker was left out of
+    # their groups in the end: its samples no longer count toward their steps
+    assert attacks[:2] == ["nan+progress", "scaled+progress"], attacks
     assert f"peer {attacker_id} is left out of this peer's averaging" in outputs, outputs[-4000:]
-    # and its samples no longer count toward their global steps
-    assert f"the progress of peer {attacker_id}, left out, is not counted" in outputs, outputs[-4000:]
-    for phase in ("nan+progress", "scaled", "sign_flipped", "bad_reducer"):
-        assert f"attack {phase} at step" in bad.output(), bad.output()[-3000:]
-    # the honest trainers stayed finite without a rollback and made every global step
+    assert (
+        f"swarm progress: did not count the progress of a peer left out of this peer's averaging, from peer "
+        f"{attacker_id}" in outputs
+    ), outputs[-4000:]
+    # the honest trainers stayed finite without a rollback, and made global steps to the end of the run: one of them
+    # at least to --max_steps (a round that timed out can leave the other behind when the run ends; it then stops)
     assert "parameters became non-finite" not in outputs and "this batch is dropped" not in outputs
     logs = [train_log(tmp_path / "attacked" / f"h{i}") for i in range(2)]
-    for i in range(2):
-        assert latest_checkpoint(tmp_path / "attacked" / f"h{i}").name == f"checkpoint-{STEPS}"
+    last_steps = [int(latest_checkpoint(tmp_path / "attacked" / f"h{i}").name.split("-")[1]) for i in range(2)]
+    assert max(last_steps) == STEPS and min(last_steps) >= STEPS - 2, last_steps
     # the attacker was counted in their swarm (a tracker's count lapses now and then: by one of them at least), and
-    # their parameters are finite. (Not asserted equal: once the
-    # attacker is left out, rounds that waited for its parts can spread the honest trainers' last steps further
-    # apart than the final round's window, and each then keeps its own parameters.)
+    # their parameters are finite. (Not asserted equal: once the attacker is left out, rounds that waited for its
+    # parts can spread the honest trainers' last steps further apart than the final round's window, and each then
+    # keeps its own parameters.)
     assert any(max(r.peers for r in log) == 3 for log in logs), [[r.peers for r in log] for log in logs]
     for i in range(2):
         parameters = weights(tmp_path / "attacked" / f"h{i}")

@@ -756,7 +756,8 @@ class _OpenRequests:
 class _LeftOut:
     """The peers one averager leaves out, as its own process sees them: those it was given, those it caught, and those
     the peer's other averager caught, which arrive through `inbox` (fed by `GuardedAverager.leave_out`). A peer that
-    served implausible gradient averages is left out of the parameter rounds too, and the other way round."""
+    served implausible gradient averages is left out of the parameter rounds too, and the other way round. Asked only
+    in the averager's process: asking drains the inbox."""
 
     def __init__(self, peers=()):
         self.peers: set[PeerID] = set(peers)

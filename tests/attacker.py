@@ -1,10 +1,10 @@
 """A misbehaving peer for the robustness tests: run_trainer.py's own trainer, speaking the swarm's protocol, whose
 contributions are corrupted. `python tests/attacker.py PLAN <run_trainer.py flags>`.
 
-PLAN is [PEERS@] and comma-separated phases, each ATTACK:ROUNDS, with ROUNDS the gradient rounds this peer takes
-part in with at least PEERS peers, this one included (default 1): a phase ends only once its attack reached the
-others that many times, however matchmaking groups the peers. Honest until the swarm has PEERS peers; the last phase
-lasts to the end. ATTACK is one of
+PLAN is [PEERS@] and comma-separated phases, each ATTACK:ROUNDS, with ROUNDS the gradient rounds that hivemind
+reports this peer made with at least PEERS peers, this one included (default 1) (such a round does not prove that
+every reducer got this peer's parts: a test that needs that uses a phase file, below). Honest until the swarm has
+PEERS peers; the last phase lasts to the end. ATTACK is one of
   nan           gradients of NaN
   scaled        gradients x1e4
   sign_flipped  gradients x-1
@@ -122,7 +122,7 @@ class Attacker(trainer.TrainerPeer):
 
 class FullRounds(logging.Filter):
     """Counts this peer's gradient rounds with at least `peers` peers, from hivemind's "Averaged gradients with N
-    peers" line (its own group: each other peer received this peer's parts of that round)."""
+    peers" line (the size of its group; hivemind reports that even when some parts did not reach their reducers)."""
 
     DONE = re.compile(r"^Averaged gradients with (\d+) peers$")
 

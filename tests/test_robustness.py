@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sahajbert.checkpoints import latest_checkpoint
+from sahajbert.checkpoints import latest_checkpoint, list_checkpoints
 from sahajbert.localswarm import PeerProcess, wait_for
 from sahajbert.model import load_model
 from sahajbert.train_log import read_train_log as train_log
@@ -183,7 +183,7 @@ def test_a_misbehaving_peer_cannot_poison_the_run(tmp_path):
     # at least to --max_steps (a round that timed out can leave the other behind when the run ends; it then stops)
     assert "parameters became non-finite" not in outputs and "this batch is dropped" not in outputs
     logs = [train_log(tmp_path / "attacked" / f"h{i}") for i in range(2)]
-    last_steps = [int(latest_checkpoint(tmp_path / "attacked" / f"h{i}").name.split("-")[1]) for i in range(2)]
+    last_steps = [list_checkpoints(tmp_path / "attacked" / f"h{i}")[-1][0] for i in range(2)]
     assert max(last_steps) == STEPS and min(last_steps) >= STEPS - 2, last_steps
     # the attacker was counted in their swarm (a tracker's count lapses now and then: by one of them at least), and
     # their parameters are finite. (Not asserted equal: once the attacker is left out, rounds that waited for its

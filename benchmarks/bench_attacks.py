@@ -94,7 +94,7 @@ def scenario(work: Path, attack: str, aggregation: str, args, initial_peers: lis
         "aggregation": aggregation,
         "peers": f"{len(attackers)} of {peers}",
         "loss": None if stalled else last_steps_loss(dirs, args.steps),
-        "rollbacks": outputs.count("parameters became non-finite"),
+        "rollbacks": outputs.count("rolling back to the last good state"),
         "dropped": len(re.findall(r"this batch is dropped", outputs)),
         "steps": reached,
         "caught": caught,

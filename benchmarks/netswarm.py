@@ -294,13 +294,19 @@ def trainer_args(args, run_id: str, initial_peers: list[str], ip: str, output_di
     )
     if args.lockstep:  # no delayed updates: every peer waits for each all-reduce before its next step
         flags += ["--delay_optimizer_step", "false", "--delay_grad_averaging", "false"]
+    if args.learning_rate is not None:
+        flags += ["--learning_rate", str(args.learning_rate)]
+    if args.diloco_inner_steps:  # an outer step after every trainer's H inner steps (int8 pseudo-gradients)
+        flags += ["--diloco_inner_steps", str(args.diloco_inner_steps)]
     return flags + (["--client_mode"] if client else [])
 
 
-def ideal_bytes_per_step(parameters: int, peers: float, compression: str) -> float:
-    """Butterfly all-reduce: each of N peers sends 2 (N - 1) / N of the payload, for gradients and parameters."""
-    gradient_bytes, state_bytes = payload_bytes(parameters, compression)
-    return 2 * (peers - 1) / peers * (gradient_bytes + state_bytes) if peers > 1 else 0.0
+def ideal_bytes_per_step(parameters: int, peers: float, compression: str, diloco: bool = False) -> float:
+    """Butterfly all-reduce: each of N peers sends 2 (N - 1) / N of the payload, for gradients and parameters
+    (DiLoCo: its 8-bit pseudo-gradients only, once per outer step)."""
+    gradient_bytes, state_bytes = payload_bytes(parameters, "8bit" if diloco else compression)
+    payload = gradient_bytes if diloco else gradient_bytes + state_bytes
+    return 2 * (peers - 1) / peers * payload if peers > 1 else 0.0
 
 
 def final_round_bytes(parameters: int, final_round: list, compression: str) -> float:
@@ -609,7 +615,9 @@ def summarize(args, workdir: Path, trainers: dict, kills: list[float], sent_byte
         # bytes counted from the moment every trainer trained, over every record (the final round included)
         "bytes_per_peer_step": sent_bytes / max(1, len(records)),
         # the butterfly volume of every step's two rounds, plus the final parameter round spread over the steps
-        "ideal_bytes_per_peer_step": ideal_bytes_per_step(parameters, peers, args.compression)
+        "ideal_bytes_per_peer_step": ideal_bytes_per_step(
+            parameters, peers, args.compression, diloco=args.diloco_inner_steps > 0
+        )
         + final_round_bytes(parameters, final_round, args.compression) / max(1, len(steps)),
         "failed_rounds": failed_rounds,
         "samples_lost_to_churn": lost,
@@ -620,7 +628,22 @@ def summarize(args, workdir: Path, trainers: dict, kills: list[float], sent_byte
         "final_round_peers": sorted(int(found[-1]) if found else 0 for found in final_round),
         "max_parameter_difference": difference,
         "parameters_agree": agree,
+        "diloco_inner_steps": args.diloco_inner_steps,
+        # the swarm's loss by the samples it had trained: each global step's mean loss over its peers' passes
+        "curve": loss_curve(records),
     }
+
+
+def loss_curve(records) -> list[dict]:
+    """Per global step: the samples the swarm had trained by its end, and the mean loss of its passes."""
+    curve, total = [], 0
+    for step in sorted({r.step for r in records}):
+        at = [r for r in records if r.step == step]
+        total += sum(r.samples for r in at)
+        passes = sum(r.mini_steps for r in at)
+        if passes:
+            curve.append({"step": step, "samples": total, "loss": sum(r.loss * r.mini_steps for r in at) / passes})
+    return curve
 
 
 def print_table(result: dict) -> None:
@@ -740,6 +763,13 @@ def main(argv=None) -> int:
     parser.add_argument("--max_steps", type=int, default=12, help="global steps the run trains for")
     parser.add_argument("--target_batch_size", type=int, default=384, help="samples per global step")
     parser.add_argument("--model", default="tiny", help="model preset")
+    parser.add_argument(
+        "--diloco_inner_steps",
+        type=int,
+        default=0,
+        help="DiLoCo: inner steps per outer step (0: synchronous data parallelism, the default)",
+    )
+    parser.add_argument("--learning_rate", type=float, default=None, help="every trainer's --learning_rate")
     parser.add_argument(
         "--metadata_expiration", type=float, default=15.0, help="seconds a progress report lives; short under churn"
     )

@@ -373,6 +373,35 @@ class CollaborativeOptimizerArguments:
         default=False,
         metadata={"help": "Step locally every batch and only average parameters (no gradient averaging)."},
     )
+    diloco_inner_steps: int = field(
+        default=0,
+        metadata={
+            "help": "DiLoCo: each trainer makes this many local steps with LAMB, then the swarm averages the "
+            "pseudo-gradients (its parameters at the last outer step minus its parameters now, weighted by its "
+            "samples) and makes one outer Nesterov step; a global step is an outer step, --target_batch_size is not "
+            "used, and --warmup_steps/--total_steps count inner steps. 0: synchronous training, a global step per "
+            "--target_batch_size samples."
+        },
+    )
+    outer_lr: float = field(default=0.7, metadata={"help": "DiLoCo: the outer SGD's learning rate (constant)."})
+    outer_momentum: float = field(default=0.9, metadata={"help": "DiLoCo: the outer SGD's Nesterov momentum."})
+    pseudo_gradient_compression: str = field(
+        default="8bit",
+        metadata={
+            "help": "DiLoCo: compression of the averaged pseudo-gradients (8bit: buckets around the mean, as "
+            "hivemind's Uniform8BitQuantization and INTELLECT-1's int8 all-reduce).",
+            "choices": ["none", "fp16", "8bit"],
+        },
+    )
+    diloco_wait: float = field(
+        default=60.0,
+        metadata={
+            "help": "DiLoCo stragglers: seconds a trainer that made its inner steps waits for every other trainer "
+            "to make theirs (the round starts as soon as all are in it); a trainer that misses the round downloads "
+            "the swarm's state and starts its next inner steps from it. 0: the trainers that are ready go on "
+            "without waiting (within the matchmaking time)."
+        },
+    )
     max_refresh_period: Optional[float] = field(
         default=None,
         metadata={
@@ -398,6 +427,15 @@ class CollaborativeOptimizerArguments:
             self.max_refresh_period is not None and self.max_refresh_period < 0.5
         ):  # hivemind's own floor between two reads
             raise ValueError(f"--max_refresh_period must be at least 0.5 seconds, got {self.max_refresh_period}")
+        if self.diloco_inner_steps < 0:
+            raise ValueError(f"--diloco_inner_steps must be >= 0 (0: off), got {self.diloco_inner_steps}")
+        if self.diloco_inner_steps and self.use_local_updates:
+            raise ValueError("--diloco_inner_steps and --use_local_updates are two different modes: choose one")
+        if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1 or self.diloco_wait < 0:
+            raise ValueError(
+                f"DiLoCo needs --outer_lr > 0, 0 <= --outer_momentum < 1 and --diloco_wait >= 0; got "
+                f"{self.outer_lr}, {self.outer_momentum}, {self.diloco_wait}"
+            )
 
 
 @dataclass

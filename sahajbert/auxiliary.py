@@ -73,6 +73,11 @@ class AuxPeer(SwarmPeer):
         validate_initial_peers(swarm_args.initial_peers)
         if aux_args.assist_in_averaging and swarm_args.client_mode:
             raise UserError("--assist_in_averaging needs incoming connections: it cannot run with --client_mode")
+        if aux_args.assist_in_averaging and peer_args.optimizer_args.diloco_inner_steps:
+            raise UserError(
+                "--assist_in_averaging joins synchronous gradient rounds: with --diloco_inner_steps the trainers' "
+                "outer rounds start from their own inner steps, and the aux peer follows them by downloading the state"
+            )
         if aux_args.initial_state is not None:
             if not (Path(aux_args.initial_state) / checkpoints.STATE_FILE).is_file():
                 raise UserError(

@@ -22,12 +22,15 @@ from functools import partial
 from typing import AsyncIterator  # noqa: UP035 hivemind's servicer finds streaming RPCs by typing's _name
 
 import hivemind
+import numpy as np
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.averaging.partition import AllreduceException, TensorPartReducer
 from hivemind.compression import deserialize_torch_tensor
+from hivemind.compression import serialization as _serialization
+from hivemind.compression.quantization import Quantile8BitQuantization, Quantization, Uniform8BitQuantization
 from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.progress_tracker import ProgressTracker
@@ -46,6 +49,49 @@ from sahajbert.arguments import MAX_RECORD_LIFETIME
 logger = logging.getLogger(__name__)
 
 CHECKED_VERSION = "1.1.12"
+
+
+class _FixedExtract(Quantization):
+    """hivemind 1.1.12's 8-bit decoders read their codebook size with `int()` of a one-element numpy array, which
+    numpy >= 2.4 refuses ("only 0-dimensional arrays can be converted"): every 8-bit part a peer received failed to
+    decode, and its all-reduce went on without it. The same layout, read with `[0]`."""
+
+    def extract(self, serialized_tensor) -> torch.Tensor:
+        buffer = serialized_tensor.buffer
+        codebook_size = int(np.frombuffer(buffer, count=1, dtype=np.int64)[0])
+        codebook = np.frombuffer(buffer, offset=8, count=codebook_size, dtype=self.codebook_dtype)
+        quantized = np.frombuffer(buffer, offset=8 + codebook.nbytes, dtype=self.indices_dtype)
+        quantized = torch.from_numpy(quantized.astype(np.int64)).reshape(tuple(serialized_tensor.size))
+        codebook = torch.from_numpy(codebook.copy()).to(dtype=getattr(torch, serialized_tensor.dtype))
+        return codebook[quantized].requires_grad_(serialized_tensor.requires_grad)
+
+
+class Uniform8Bit(_FixedExtract, Uniform8BitQuantization):
+    """hivemind's uniform 8-bit codec (256 buckets over +-3 sigma around the mean, each decoded as the mean of the
+    values in it), same wire format. Encoded without `torch.quantize_per_tensor`, which torch deprecates, and with
+    each bucket's mean taken over the values themselves: hivemind's, when allowed to work in place, averaged the
+    centered values and decoded them without the mean."""
+
+    def quantize(self, tensor: torch.Tensor, allow_inplace: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        assert torch.is_floating_point(tensor)
+        values = tensor.detach().to(torch.float32).flatten()
+        centered = values - values.mean()
+        sigma = centered.norm() / math.sqrt(max(1, centered.numel() - 1))
+        scale = max(float(self.RANGE_IN_SIGMAS * sigma / self.n_bins), torch.finfo(torch.float32).tiny)
+        buckets = torch.clamp(torch.round(centered / scale) + self.n_bins // 2, 0, self.n_bins - 1).to(torch.uint8)
+        sums = torch.zeros(self.n_bins).scatter_add_(0, buckets.long(), values)
+        counts = torch.bincount(buckets.long(), minlength=self.n_bins).clamp_min(1)
+        return buckets.numpy().astype(self.indices_dtype), (sums / counts).numpy().astype(self.codebook_dtype)
+
+
+class Quantile8Bit(_FixedExtract, Quantile8BitQuantization):
+    pass
+
+
+# hivemind decodes every received tensor with the codec registered under its type's name
+# (`serialization._BASE_COMPRESSION_TYPES`): the fixed ones replace the two 8-bit codecs there
+_serialization._BASE_COMPRESSION_TYPES["UNIFORM_8BIT"] = Uniform8Bit()
+_serialization._BASE_COMPRESSION_TYPES["QUANTILE_8BIT"] = Quantile8Bit()
 
 # bytes: the most one message of a p2p stream may declare. hivemind's own are at most an all-reduce part (2^19 bytes,
 # DEFAULT_PART_SIZE_BYTES) or a state chunk (2^16 bytes), plus a header; its reader (P2P.receive_raw_data) waits
@@ -265,11 +311,21 @@ def step_would_be_global(optimizer: hivemind.Optimizer, batch_size: int) -> bool
     batch to `global_progress.samples_accumulated`, then checks `tracker.ready_to_update_epoch`.)"""
     tracker = optimizer.tracker
     progress = tracker.global_progress
+    if isinstance(optimizer, DiLoCoOptimizer):  # its outer step comes with its H-th inner step
+        return tracker.global_epoch > optimizer.local_epoch or optimizer.inner_step + 1 >= optimizer.inner_steps
     return (
         tracker.global_epoch > tracker.local_progress.epoch
         or progress.samples_accumulated + batch_size >= tracker.target_batch_size
         or get_dht_time() >= progress.eta_next_epoch
     )
+
+
+def inner_round(optimizer: hivemind.Optimizer) -> tuple[int, int] | None:
+    """DiLoCo: (inner steps made since the last outer step, inner steps per outer step); None in synchronous mode,
+    where every optimizer.step() changes the parameters only at a global step."""
+    if isinstance(optimizer, DiLoCoOptimizer):
+        return optimizer.inner_step, optimizer.inner_steps
+    return None
 
 
 def set_refresh_period(optimizer: hivemind.Optimizer, seconds: float) -> None:
@@ -1155,3 +1211,123 @@ class GuardedOptimizer(hivemind.Optimizer):
             start=True,
             **kwargs,
         )
+
+
+NEVER = 2**62  # samples: a target the swarm's progress never reaches (a DiLoCo round is started by its inner steps)
+
+
+class DiLoCoOptimizer(GuardedOptimizer):
+    """DiLoCo (Douillard et al. 2023): H local steps of an inner optimizer on the model, then an all-reduce of the
+    pseudo-gradients (the outer parameters minus the model's, weighted by the samples behind each) and one outer
+    optimizer step (SGD with Nesterov momentum) on the outer parameters, which the model then takes.
+
+    Built on hivemind.Optimizer's gradient path with `offload_optimizer`: the state averager's host copies of the
+    parameters are the outer parameters and its optimizer is the outer one, the gradient averager's averaged tensors
+    are their `.grad` (`_make_gradient_averager`), and `_update_global_epoch` averages what was accumulated, steps
+    the outer optimizer (on this peer's own pseudo-gradient when the round fails or no other peer is there) and
+    copies the result into the model (`_apply_optimizer_parameters_`). The inner optimizer's state travels with the
+    outer state as `extra_tensors`, so a newcomer downloads both. A trainer that missed an outer round (the swarm's
+    step is past its own) downloads the swarm's state at its next step, as hivemind's peers do.
+
+    `inner_optimizer`: a factory over the parameter groups; `inner_lr(step)`: its learning rate at an inner step,
+    counted over the run (global step x H + the inner steps since); `wait`: seconds a peer that made its H steps
+    waits for every other trainer to make theirs (its round starts as soon as the group holds all of them), 0: the
+    peers that are ready go on within the matchmaking time.
+    """
+
+    def __init__(self, *, inner_optimizer, inner_lr: Callable[[int], float], inner_steps: int, wait: float, **kwargs):
+        params = kwargs["params"]
+        self.inner = inner_optimizer(params)
+        self.inner_lr, self.inner_steps, self.wait = inner_lr, inner_steps, wait
+        self.inner_step = 0  # inner steps since the last outer step
+        self.round_samples = 0  # samples behind them
+        extras = tuple(self._initialize_inner_state())
+        kwargs.update(
+            extra_tensors=extras,
+            offload_optimizer=True,
+            delay_optimizer_step=False,
+            delay_grad_averaging=False,
+            use_local_updates=False,
+            average_state_every=NO_STATE_AVERAGING,
+            target_batch_size=NEVER,
+        )
+        super().__init__(**kwargs)
+
+    @torch.no_grad()
+    def _initialize_inner_state(self):
+        """Create the inner optimizer's state now (zeros, as its first step would), in the order it is shared; its
+        step count is a tensor too, so that it travels and is averaged with the rest."""
+        for group in self.inner.param_groups:
+            for p in group["params"]:
+                state = self.inner.state[p]
+                state["step"] = torch.zeros(1)
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+                yield from (state["step"], state["exp_avg"], state["exp_avg_sq"])
+
+    @property
+    def run_inner_step(self) -> int:
+        return self.local_epoch * self.inner_steps + self.inner_step
+
+    def step(self, closure=None, batch_size: int | None = None, grad_scaler=None):
+        """One inner step on this pass's gradients; the outer round after the H-th."""
+        if self.auxiliary:
+            return super().step()
+        if grad_scaler is not None:
+            raise ValueError("DiLoCo steps the inner optimizer itself: it takes no fp16 gradient scaler")
+        batch_size = batch_size if batch_size is not None else self.batch_size_per_step
+        if self._should_load_state_from_peers():
+            logger.log(self.status_loglevel, "Peer is out of sync")
+            self.load_state_from_peers()
+            return None  # these gradients came from parameters the swarm has moved past
+        for group in self.inner.param_groups:
+            group["lr"] = self.inner_lr(self.run_inner_step)
+        self.inner.step()
+        self.inner_step += 1
+        self.round_samples += batch_size
+        self.tracker.report_local_progress(self.local_epoch, self.round_samples)
+        if self.inner_step >= self.inner_steps:
+            self._outer_step()
+        return None
+
+    @torch.no_grad()
+    def _outer_step(self) -> None:
+        outer = [p for group in self.state_averager.optimizer.param_groups for p in group["params"]]
+        for model_param, outer_param in zip(self.state_averager.main_parameters, outer):
+            model_param.grad = outer_param.to(model_param.device) - model_param
+        self.grad_averager.reset_accumulated_grads_()
+        self.grad_averager.accumulate_grads_(self.round_samples)  # once: the pseudo-gradient, weighted by samples
+        peers = self.tracker.global_progress.num_peers
+        if peers > 1:
+            wait = max(self.wait, self.matchmaking_time)
+            if self.wait > 0:  # the group is complete, and starts at once, when it holds every trainer
+                self.grad_averager.set_target_group_size(peers)
+            self.scheduled_grads = self.grad_averager.schedule_step(
+                scheduled_time=get_dht_time() + wait, timeout=self.averaging_timeout
+            )
+        self._update_global_epoch(None)
+        self.inner_step = self.round_samples = 0
+        self.zero_grad(set_to_none=True)
+
+    def load_state_from_peers(self, **kwargs):
+        super().load_state_from_peers(**kwargs)
+        self.inner_step = self.round_samples = 0  # the model is the swarm's outer parameters: a new round
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state["diloco"] = {"inner": self.inner.state_dict(), "inner_step": self.inner_step}
+        return state
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict):
+        diloco = state_dict.pop("diloco", None)
+        result = super().load_state_dict(state_dict)
+        if diloco is not None:
+            # into the tensors the state averager shares (extra_tensors): the inner optimizer's own
+            # load_state_dict would replace them
+            params = [p for group in self.inner.param_groups for p in group["params"]]
+            for index, p in enumerate(params):
+                for name, value in diloco["inner"]["state"].get(index, {}).items():
+                    self.inner.state[p][name].copy_(torch.as_tensor(value))
+            self.inner_step = diloco["inner_step"]
+        return result

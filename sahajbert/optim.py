@@ -14,7 +14,6 @@ from hivemind.compression import (
     Float16Compression,
     NoCompression,
     SizeAdaptiveCompression,
-    Uniform8BitQuantization,
 )
 from transformers import get_linear_schedule_with_warmup
 
@@ -60,11 +59,12 @@ class Lamb(torch.optim.Optimizer):
                     state["step"] = 0
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1
+                state["step"] += 1  # an int, or a tensor shared with the swarm (DiLoCo's inner state): in place
+                step = float(state["step"])
                 exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
                 exp_avg.mul_(beta1).add_(p.grad, alpha=1 - beta1)
                 exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-                step_size = group["lr"] * math.sqrt(1 - beta2 ** state["step"]) / (1 - beta1 ** state["step"])
+                step_size = group["lr"] * math.sqrt(1 - beta2**step) / (1 - beta1**step)
                 direction = exp_avg / exp_avg_sq.sqrt().add_(group["eps"])
                 if group["weight_decay"]:
                     direction.add_(p, alpha=group["weight_decay"])
@@ -99,12 +99,19 @@ def make_compression(name: str) -> CompressionBase:
     if name == "fp16":
         return Float16Compression()
     if name == "8bit":
-        return Uniform8BitQuantization()
+        return compat.Uniform8Bit()
     if name == "adaptive":  # sahajBERT-XL's: fp16 below 2^16 + 1 elements (tanmoyio/sahajBERT run_trainer.py:168)
         return SizeAdaptiveCompression(
-            threshold=2**16 + 1, less=Float16Compression(), greater_equal=Uniform8BitQuantization()
+            threshold=2**16 + 1, less=Float16Compression(), greater_equal=compat.Uniform8Bit()
         )
     raise ValueError(f"unknown compression '{name}'")
+
+
+def outer_sgd(param_groups: list[dict], lr: float, momentum: float) -> torch.optim.SGD:
+    """DiLoCo's outer optimizer: SGD with Nesterov momentum on the pseudo-gradients (DiLoCo and OpenDiLoCo: lr 0.7,
+    momentum 0.9); no weight decay, which the inner LAMB applies already."""
+    groups = [dict(group, weight_decay=0.0) for group in param_groups]
+    return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=True)
 
 
 def lr_at_step(step: int, peak: float, warmup_steps: int, total_steps: int) -> float:
@@ -160,6 +167,43 @@ def build_collaborative_optimizer(
     aggregation = robust.Aggregation(
         averaging_args.aggregation, averaging_args.clip_tau, averaging_args.clip_iterations
     )
+    if optimizer_args.diloco_inner_steps:
+        return compat.DiLoCoOptimizer(
+            inner_optimizer=lamb,
+            inner_lr=partial(
+                lr_at_step,
+                peak=training_args.learning_rate,
+                warmup_steps=training_args.warmup_steps,
+                total_steps=training_args.total_steps,
+            ),
+            inner_steps=optimizer_args.diloco_inner_steps,
+            wait=optimizer_args.diloco_wait,
+            gate=gate,
+            aggregation=aggregation,
+            dht=dht,
+            run_id=swarm_args.run_id,
+            batch_size_per_step=batch_size_per_step,
+            optimizer=partial(outer_sgd, lr=optimizer_args.outer_lr, momentum=optimizer_args.outer_momentum),
+            params=parameter_groups(model, training_args.weight_decay),
+            scheduler=None,
+            matchmaking_time=timing.matchmaking_time,
+            # the round's result is awaited from the end of this peer's inner steps: the wait for the others first
+            averaging_timeout=timing.averaging_timeout + optimizer_args.diloco_wait,
+            next_chunk_timeout=timing.next_chunk_timeout,
+            load_state_timeout=timing.load_state_timeout,
+            client_mode=dht.client_mode,
+            auxiliary=auxiliary,
+            grad_compression=make_compression(optimizer_args.pseudo_gradient_compression),
+            state_averaging_compression=state_compression,
+            load_state_compression=state_compression,
+            averager_opts=averager_opts or None,
+            grad_averager_factory=compat.gradient_averager_factory(gate, aggregation, **averager_opts),
+            tracker_opts={
+                "metadata_expiration": optimizer_args.metadata_expiration,
+                "max_refresh_period": timing.max_refresh_period,
+            },
+            verbose=True,
+        )
     return compat.GuardedOptimizer(
         gate=gate,
         aggregation=aggregation,

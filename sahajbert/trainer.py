@@ -46,6 +46,9 @@ STOP_PENDING_WAIT = 5.0
 # matchmaking times a peer that would stop waits for its last gradient round to be matched or fail (the leader's
 # matchmaking time counts from the leader's step, which came first)
 SETTLE_MATCHMAKING_TIMES = 2
+# dropped passes in a row, with finite parameters, that show the parameters themselves are unusable; an honest
+# fp32 model's pass is rarely non-finite at all
+DROPPED_PASSES_BEFORE_ROLLBACK = 3
 
 
 @dataclass
@@ -93,6 +96,13 @@ class TrainerPeer(SwarmPeer):
         self.tokenizer = load_tokenizer(peer_args.corpus_args.tokenizer_path)
         device_info = describe_device(training_args.device)
         precision = choose_precision(device_info, training_args.precision)
+        if peer_args.optimizer_args.diloco_inner_steps and precision == "fp16" and training_args.precision == "auto":
+            precision = "fp32"
+        if peer_args.optimizer_args.diloco_inner_steps and precision == "fp16":
+            raise UserError(
+                "--diloco_inner_steps steps its inner optimizer without hivemind's fp16 gradient scaler: "
+                "use --precision bf16 or fp32"
+            )
         forward_batch = training_args.per_device_train_batch_size * device_info.cores
         self.samples_per_pass = forward_batch * training_args.gradient_accumulation_steps
         logger.info(
@@ -246,14 +256,14 @@ class TrainerPeer(SwarmPeer):
         ):
             self.dropped_passes += 1
             self.optimizer.zero_grad(set_to_none=True)
-            if not self.good_state.parameters_finite():
-                # the parameters themselves went bad (a background round, or a peer's state): every further batch
-                # would be dropped too and no global step would come to roll back after, so restore them now
-                self.good_state.roll_back("between global steps")
+            # parameters that went bad (a background round, or a peer's state) make every further batch dropped, and
+            # no global step would come to roll back after: they are restored now
+            if self.good_state.after_dropped_pass():
                 self.compute.push_parameters()
             else:
                 logger.warning(f"non-finite loss or gradients: this batch is dropped ({self.dropped_passes} so far)")
             return None
+        self.good_state.after_finite_pass()
         training_args = self.args.training_args
         if training_args.clip_gradients == "local" and training_args.max_grad_norm:
             # each peer's own pass, before the swarm averages it (as DeDLOC's trainer clipped through the HF Trainer);
@@ -292,7 +302,9 @@ class TrainerPeer(SwarmPeer):
         self.counters.loss_sum += pass_loss
         self.counters.passes += 1
         self.counters.samples += self.samples_per_pass
-        return updates_pending or self.optimizer.local_epoch != step_before
+        # DiLoCo's inner optimizer changes them at every step
+        local_step = compat.inner_round(self.optimizer) is not None
+        return local_step or updates_pending or self.optimizer.local_epoch != step_before
 
     def _after_global_step(self) -> None:
         """The swarm made a global step: check the parameters, publish this peer's metrics, log, checkpoint."""
@@ -369,9 +381,14 @@ class TrainerPeer(SwarmPeer):
         if time.monotonic() - self._last_progress_line < self.args.training_args.log_every_seconds:
             return
         position = compat.position(self.optimizer)
+        inner = compat.inner_round(self.optimizer)
+        toward = (
+            f"{position.samples_accumulated}/{position.target_batch_size} samples toward the next step"
+            if inner is None
+            else f"inner step {inner[0]}/{inner[1]} toward the next outer step"
+        )
         logger.info(
-            f"step {position.local_step}: {position.samples_accumulated}/{position.target_batch_size} samples toward "
-            f"the next step from {position.peers} peer(s); "
+            f"step {position.local_step}: {toward} from {position.peers} peer(s); "
             f"this peer {compat.own_samples_per_second(self.optimizer):.1f} samples/s"
         )
         self._last_progress_line = time.monotonic()
@@ -495,27 +512,50 @@ class TrainerPeer(SwarmPeer):
 
 
 class LastGoodState:
-    """A host copy of parameters and optimizer state after the last healthy global step, to roll back to."""
+    """Host copies of parameters and optimizer state to roll back to: those after the last global step whose
+    parameters were finite and then gave a finite pass. Finite parameters can still be unusable: a plain mean with a
+    x1e4 peer's contribution leaves values whose every pass overflows; such a state is never the one rolled back to.
+    """
 
     def __init__(self, optimizer: hivemind.Optimizer, pending_update_timeout: float):
         self.optimizer = optimizer
         self.pending_update_timeout = pending_update_timeout
-        self.parameters: list[torch.Tensor] = []
-        self.optimizer_state: dict | None = None
+        self.good: tuple[list[torch.Tensor], dict] | None = None  # (parameters, optimizer state)
+        self.candidate: tuple[list[torch.Tensor], dict] | None = None  # saved, no finite pass from it yet
+        self.dropped_in_a_row = 0
 
     def keep_or_roll_back(self) -> bool:
-        """After a global step: keep healthy parameters as the new good state (True), or restore the last one."""
+        """After a global step: keep finite parameters as the next good state (True), or restore the last one."""
         if self.parameters_finite():
             self.save()
             return True
-        self.roll_back(f"at step {self.optimizer.local_epoch}")
+        self.roll_back(f"parameters became non-finite at step {self.optimizer.local_epoch}")
         return False
 
-    def roll_back(self, when: str) -> None:
-        logger.warning(f"parameters became non-finite {when}: rolling back to the last good state")
+    def after_finite_pass(self) -> None:
+        """A pass from the current parameters gave a finite loss and gradients: they are good."""
+        self.dropped_in_a_row = 0
+        if self.candidate is not None:
+            self.good, self.candidate = self.candidate, None
+
+    def after_dropped_pass(self) -> bool:
+        """A pass was dropped as non-finite: roll back (True) if the parameters are non-finite, or if this was the
+        DROPPED_PASSES_BEFORE_ROLLBACK-th dropped pass in a row (finite parameters that overflow every pass)."""
+        self.dropped_in_a_row += 1
+        if not self.parameters_finite():
+            self.roll_back("parameters became non-finite between global steps")
+        elif self.dropped_in_a_row >= DROPPED_PASSES_BEFORE_ROLLBACK:
+            self.roll_back(f"the last {self.dropped_in_a_row} passes were all non-finite")
+        else:
+            return False
+        return True
+
+    def roll_back(self, reason: str) -> None:
+        logger.warning(f"{reason}: rolling back to the last good state")
         # every round still running lands first: one that landed after the restore would bring the bad values back
         compat.apply_pending_updates(self.optimizer, self.pending_update_timeout)
         self.restore()
+        self.candidate, self.dropped_in_a_row = None, 0
 
     def _tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         offloaded = [p for group in self.optimizer.opt.param_groups for p in group["params"]]
@@ -527,15 +567,21 @@ class LastGoodState:
 
     @torch.no_grad()
     def save(self) -> None:
+        """Keep the current state; it becomes the good one with the first finite pass from it (at once if there is
+        no good one yet: the state a peer starts from was checked when loaded)."""
         main, _ = self._tensors()
-        self.parameters = [p.detach().to("cpu", copy=True) for p in main]
-        self.optimizer_state = copy.deepcopy(self.optimizer.opt.state_dict())
+        state = ([p.detach().to("cpu", copy=True) for p in main], copy.deepcopy(self.optimizer.opt.state_dict()))
+        if self.good is None:
+            self.good = state
+        else:
+            self.candidate = state
 
     @torch.no_grad()
     def restore(self) -> None:
+        parameters, optimizer_state = self.good
         main, offloaded = self._tensors()
         # with offload_optimizer the optimizer steps host copies of the model's parameters: both are restored
-        for saved, target, copy_ in zip(self.parameters, main, offloaded):
+        for saved, target, copy_ in zip(parameters, main, offloaded):
             target.copy_(saved)
             copy_.copy_(saved)
-        self.optimizer.opt.load_state_dict(copy.deepcopy(self.optimizer_state))
+        self.optimizer.opt.load_state_dict(copy.deepcopy(optimizer_state))

@@ -190,6 +190,38 @@ def test_non_finite_parameters_roll_back_to_the_last_good_state(lonely_optimizer
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_finite_parameters_that_overflow_every_pass_roll_back_to_the_last_state_that_trained(lonely_optimizer):
+    from sahajbert.trainer import DROPPED_PASSES_BEFORE_ROLLBACK, LastGoodState
+
+    model, optimizer = lonely_optimizer
+    train_one_batch(model, optimizer)
+    good = LastGoodState(optimizer, pending_update_timeout=10.0)
+    good.save()  # the state the trainer starts from
+    train_one_batch(model, optimizer)
+    good.after_finite_pass()
+    trained = [p.detach().clone() for p in model.parameters()]
+    assert good.keep_or_roll_back()  # a global step: kept, not yet trusted
+    good.after_finite_pass()  # a pass from it was finite: now it is the one to roll back to
+    train_one_batch(model, optimizer)
+    # a plain mean with a x1e4 peer's parameters, a few times over: finite, and every pass from them overflows
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1e30)
+    assert good.parameters_finite() and good.keep_or_roll_back()
+    batch = {
+        "input_ids": torch.randint(5, 100, (4, 16)),
+        "labels": torch.randint(5, 100, (4, 16)),
+        "sentence_order_label": torch.randint(0, 2, (4,)),
+    }
+    assert not torch.isfinite(model(**batch).loss), "the inflated parameters must overflow a pass"
+    rolled_back = [good.after_dropped_pass() for _ in range(DROPPED_PASSES_BEFORE_ROLLBACK)]
+    # one dropped pass is a bad batch; DROPPED_PASSES_BEFORE_ROLLBACK in a row roll back, past the inflated state
+    # that keep_or_roll_back kept, to the last one that gave a finite pass
+    assert rolled_back == [False] * (DROPPED_PASSES_BEFORE_ROLLBACK - 1) + [True]
+    assert all(torch.equal(a, b) for a, b in zip(trained, model.parameters()))
+    assert torch.isfinite(model(**batch).loss)
+
+
 def test_checkpoints_are_atomic_and_pruned(tmp_path, tokenizer):
     model = build_model("tiny", tokenizer, seed=0)
     for step in (1, 2, 3, 4):
@@ -316,3 +348,23 @@ def test_averaged_clipping_clips_what_lamb_applies():
     clipped, by_hand, unclipped = run(1.0, False), run(None, True), run(None, False)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(clipped, by_hand))
     assert not all(torch.allclose(a, b, atol=1e-4) for a, b in zip(clipped, unclipped)), "clipping must matter here"
+
+
+@pytest.mark.parametrize("kind", ["UNIFORM_8BIT", "QUANTILE_8BIT"])
+def test_8bit_codecs_decode_what_they_encode(kind):
+    """hivemind 1.1.12's own 8-bit decoders fail under numpy >= 2.4 (every received part was dropped); the adapter
+    registers fixed ones in their place."""
+    from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+    from hivemind.proto import runtime_pb2
+
+    import sahajbert.hivemind_compat  # noqa: F401 registers the decoders
+
+    values = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 3 + 1.5
+    decoded = deserialize_torch_tensor(serialize_torch_tensor(values, getattr(runtime_pb2, kind)))
+    assert decoded.shape == values.shape
+    # 256 buckets: a mean error of a few hundredths of the spread, and the mean kept
+    assert (decoded - values).abs().mean() < 0.03 * values.std()
+    assert abs(decoded.mean() - values.mean()) < 0.01 * values.std()
+    constant = torch.full((16,), 2.5)
+    encoded = serialize_torch_tensor(constant, getattr(runtime_pb2, kind))
+    assert torch.equal(deserialize_torch_tensor(encoded), constant)

@@ -1,0 +1,63 @@
+"""DiLoCo (--diloco_inner_steps): real trainers, each in its own process, on 127.0.0.1."""
+
+import re
+
+import pytest
+import torch
+
+from sahajbert.checkpoints import latest_checkpoint, list_checkpoints
+from sahajbert.localswarm import wait_for
+from sahajbert.model import load_model
+from sahajbert.train_log import read_train_log as train_log
+
+from .swarm_helpers import first_peer, start_peer, swarm_loss
+
+pytestmark = pytest.mark.slow
+
+# outer steps: the newcomer, started after the first, takes a few of them to start (both are CPU-bound on one machine,
+# so a busy machine slows them alike)
+STEPS = 30
+INNER = 20  # inner steps per outer step, of 8 samples each
+# the inner LAMB steps every 8 samples, not every 384 as the tiny preset's 0.1 is for; 30 s: every trainer's wait for
+# the others after its inner steps (their pace differs on a busy machine), and the final round's window
+DILOCO = ["--diloco_inner_steps", str(INNER), "--learning_rate", "0.05", "--diloco_wait", "30"]
+COMMON = [*DILOCO, "--max_steps", str(STEPS), "--final_averaging_window", "30", "--verbose"]
+
+
+def test_two_diloco_trainers_learn_agree_and_take_in_a_newcomer(tmp_path):
+    peer, initial_peers = first_peer(tmp_path / "first_peer", "diloco")
+    started = [peer]
+    try:
+        pair = [start_peer("run_trainer.py", tmp_path, f"t{i}", "diloco", initial_peers, *COMMON) for i in range(2)]
+        started += pair
+        # a newcomer joins once the pair has made an outer step: it downloads the outer and the inner state
+        wait_for(lambda: len(train_log(tmp_path / "t0")) >= 1, 300, "an outer step of the first pair")
+        newcomer = start_peer("run_trainer.py", tmp_path, "t2", "diloco", initial_peers, *COMMON)
+        started.append(newcomer)
+        trainers = [*pair, newcomer]
+        for trainer in trainers:
+            assert trainer.wait(400) == 0, trainer.output()[-3000:]
+    finally:
+        for process in started:
+            process.stop()
+    outputs = [trainer.output() for trainer in trainers]
+    # the newcomer started from the swarm's state, not from step 0
+    assert re.search(r"joined at global step ([1-9]|1[0-9]|2[0-5])\b", outputs[2]), outputs[2][-3000:]
+    # outer rounds averaged the pseudo-gradients of several trainers
+    assert all("Averaged gradients with 2 peers" in out or "Averaged gradients with 3 peers" in out for out in outputs)
+    assert "Averaged gradients with 3 peers" in "".join(outputs), "the newcomer never joined an outer round"
+    # a global step is an outer step: every trainer ends at --max_steps, each of its steps made of INNER inner steps
+    logs = [train_log(tmp_path / f"t{i}") for i in range(3)]
+    for i in range(3):
+        assert list_checkpoints(tmp_path / f"t{i}")[-1][0] == STEPS
+    pair_records = [record for log in logs[:2] for record in log]
+    assert sum(record.mini_steps == INNER for record in pair_records) >= 0.8 * len(pair_records), [
+        [r.mini_steps for r in log] for log in logs
+    ]
+    # the loss falls (the first outer step's inner steps against the last's)
+    assert swarm_loss(logs, [STEPS]) < 0.95 * swarm_loss(logs, [1]), [[round(r.loss, 3) for r in log] for log in logs]
+    # and the final round leaves one model (8-bit pseudo-gradients, then an fp16 parameter average)
+    final = [load_model(latest_checkpoint(tmp_path / f"t{i}")).state_dict() for i in range(3)]
+    for name in final[0]:
+        for other in final[1:]:
+            torch.testing.assert_close(final[0][name], other[name], atol=2e-3, rtol=1e-2, msg=name)

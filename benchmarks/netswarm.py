@@ -294,8 +294,9 @@ def trainer_args(args, run_id: str, initial_peers: list[str], ip: str, output_di
     )
     if args.lockstep:  # no delayed updates: every peer waits for each all-reduce before its next step
         flags += ["--delay_optimizer_step", "false", "--delay_grad_averaging", "false"]
-    if args.learning_rate is not None:
-        flags += ["--learning_rate", str(args.learning_rate)]
+    for name in ("learning_rate", "total_steps"):
+        if getattr(args, name) is not None:
+            flags += [f"--{name}", str(getattr(args, name))]
     if args.diloco_inner_steps:  # an outer step after every trainer's H inner steps (int8 pseudo-gradients)
         flags += ["--diloco_inner_steps", str(args.diloco_inner_steps)]
     return flags + (["--client_mode"] if client else [])
@@ -770,6 +771,7 @@ def main(argv=None) -> int:
         help="DiLoCo: inner steps per outer step (0: synchronous data parallelism, the default)",
     )
     parser.add_argument("--learning_rate", type=float, default=None, help="every trainer's --learning_rate")
+    parser.add_argument("--total_steps", type=int, default=None, help="every trainer's --total_steps (schedule)")
     parser.add_argument(
         "--metadata_expiration", type=float, default=15.0, help="seconds a progress report lives; short under churn"
     )

@@ -339,7 +339,11 @@ class CollaborativeOptimizerArguments:
     TITLE: ClassVar[str] = "collaborative optimizer"
 
     target_batch_size: int = field(
-        default=4096, metadata={"help": "Samples the whole swarm accumulates per global optimizer step."}
+        default=4096,
+        metadata={
+            "help": "Samples the whole swarm accumulates per global optimizer step (not used with "
+            "--diloco_inner_steps)."
+        },
     )
     batch_size_lead: int = field(
         default=0, metadata={"help": "Start averaging this many samples before the target, to hide latency."}

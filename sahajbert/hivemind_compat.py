@@ -9,6 +9,7 @@ round. Each function says what it relies on. After a hivemind upgrade, check the
 """
 
 import asyncio
+import copy
 import heapq
 import logging
 import math
@@ -326,6 +327,17 @@ def inner_round(optimizer: hivemind.Optimizer) -> tuple[int, int] | None:
     if isinstance(optimizer, DiLoCoOptimizer):
         return optimizer.inner_step, optimizer.inner_steps
     return None
+
+
+def local_state(optimizer: hivemind.Optimizer) -> dict | None:
+    """DiLoCo: a copy of what a trainer changes between outer steps besides the parameters (the inner optimizer's
+    state, the round's progress), to roll back to; None in synchronous mode."""
+    return copy.deepcopy(optimizer.inner_state_dict()) if isinstance(optimizer, DiLoCoOptimizer) else None
+
+
+def restore_local_state(optimizer: hivemind.Optimizer, state: dict | None) -> None:
+    if state is not None:
+        optimizer.load_inner_state_dict(copy.deepcopy(state))
 
 
 def set_refresh_period(optimizer: hivemind.Optimizer, seconds: float) -> None:
@@ -1236,8 +1248,8 @@ class DiLoCoOptimizer(GuardedOptimizer):
     """
 
     def __init__(self, *, inner_optimizer, inner_lr: Callable[[int], float], inner_steps: int, wait: float, **kwargs):
-        params = kwargs["params"]
-        self.inner = inner_optimizer(params)
+        # copies: a torch optimizer writes its settings into the groups it is given, and the outer one gets them too
+        self.inner = inner_optimizer([dict(group) for group in kwargs["params"]])
         self.inner_lr, self.inner_steps, self.wait = inner_lr, inner_steps, wait
         self.inner_step = 0  # inner steps since the last outer step
         self.round_samples = 0  # samples behind them
@@ -1313,21 +1325,28 @@ class DiLoCoOptimizer(GuardedOptimizer):
         super().load_state_from_peers(**kwargs)
         self.inner_step = self.round_samples = 0  # the model is the swarm's outer parameters: a new round
 
-    def state_dict(self) -> dict:
-        state = super().state_dict()
-        state["diloco"] = {"inner": self.inner.state_dict(), "inner_step": self.inner_step}
-        return state
+    def inner_state_dict(self) -> dict:
+        """The inner optimizer's state and this round's progress (its tensors are the live ones: copy to keep)."""
+        return {"inner": self.inner.state_dict(), "inner_step": self.inner_step, "round_samples": self.round_samples}
 
     @torch.no_grad()
+    def load_inner_state_dict(self, state: dict) -> None:
+        # into the tensors the state averager shares (extra_tensors): the inner optimizer's own load_state_dict
+        # would replace them
+        params = [p for group in self.inner.param_groups for p in group["params"]]
+        for index, p in enumerate(params):
+            for name, value in state["inner"]["state"].get(index, {}).items():
+                self.inner.state[p][name].copy_(torch.as_tensor(value))
+        self.inner_step, self.round_samples = state["inner_step"], state.get("round_samples", 0)
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state["diloco"] = self.inner_state_dict()
+        return state
+
     def load_state_dict(self, state_dict: dict):
         diloco = state_dict.pop("diloco", None)
         result = super().load_state_dict(state_dict)
         if diloco is not None:
-            # into the tensors the state averager shares (extra_tensors): the inner optimizer's own
-            # load_state_dict would replace them
-            params = [p for group in self.inner.param_groups for p in group["params"]]
-            for index, p in enumerate(params):
-                for name, value in diloco["inner"]["state"].get(index, {}).items():
-                    self.inner.state[p][name].copy_(torch.as_tensor(value))
-            self.inner_step = diloco["inner_step"]
+            self.load_inner_state_dict(diloco)
         return result

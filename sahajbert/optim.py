@@ -110,7 +110,8 @@ def make_compression(name: str) -> CompressionBase:
 def outer_sgd(param_groups: list[dict], lr: float, momentum: float) -> torch.optim.SGD:
     """DiLoCo's outer optimizer: SGD with Nesterov momentum on the pseudo-gradients (DiLoCo and OpenDiLoCo: lr 0.7,
     momentum 0.9); no weight decay, which the inner LAMB applies already."""
-    groups = [dict(group, weight_decay=0.0) for group in param_groups]
+    # the parameters alone: the groups' other keys are the inner optimizer's settings
+    groups = [{"params": group["params"]} for group in param_groups]
     return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=True)
 
 

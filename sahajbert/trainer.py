@@ -520,9 +520,11 @@ class LastGoodState:
     def __init__(self, optimizer: hivemind.Optimizer, pending_update_timeout: float):
         self.optimizer = optimizer
         self.pending_update_timeout = pending_update_timeout
-        self.good: tuple[list[torch.Tensor], dict] | None = None  # (parameters, optimizer state)
-        self.candidate: tuple[list[torch.Tensor], dict] | None = None  # saved, no finite pass from it yet
+        # (parameters, optimizer state, DiLoCo's inner state or None)
+        self.good: tuple[list[torch.Tensor], dict, dict | None] | None = None
+        self.candidate: tuple[list[torch.Tensor], dict, dict | None] | None = None  # no finite pass from it yet
         self.dropped_in_a_row = 0
+        self.restored = False  # the state was restored and no pass from it was finite yet
 
     def keep_or_roll_back(self) -> bool:
         """After a global step: keep finite parameters as the next good state (True), or restore the last one."""
@@ -534,7 +536,7 @@ class LastGoodState:
 
     def after_finite_pass(self) -> None:
         """A pass from the current parameters gave a finite loss and gradients: they are good."""
-        self.dropped_in_a_row = 0
+        self.dropped_in_a_row, self.restored = 0, False
         if self.candidate is not None:
             self.good, self.candidate = self.candidate, None
 
@@ -545,6 +547,11 @@ class LastGoodState:
         if not self.parameters_finite():
             self.roll_back("parameters became non-finite between global steps")
         elif self.dropped_in_a_row >= DROPPED_PASSES_BEFORE_ROLLBACK:
+            if self.restored:  # rolling back again would restore the same state and spin
+                raise UserError(
+                    f"every pass from the last good state is non-finite too ({self.dropped_in_a_row} in a row): the "
+                    "model cannot train from it (is --learning_rate too high?)"
+                )
             self.roll_back(f"the last {self.dropped_in_a_row} passes were all non-finite")
         else:
             return False
@@ -555,7 +562,7 @@ class LastGoodState:
         # every round still running lands first: one that landed after the restore would bring the bad values back
         compat.apply_pending_updates(self.optimizer, self.pending_update_timeout)
         self.restore()
-        self.candidate, self.dropped_in_a_row = None, 0
+        self.candidate, self.dropped_in_a_row, self.restored = None, 0, True
 
     def _tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         offloaded = [p for group in self.optimizer.opt.param_groups for p in group["params"]]
@@ -570,7 +577,8 @@ class LastGoodState:
         """Keep the current state; it becomes the good one with the first finite pass from it (at once if there is
         no good one yet: the state a peer starts from was checked when loaded)."""
         main, _ = self._tensors()
-        state = ([p.detach().to("cpu", copy=True) for p in main], copy.deepcopy(self.optimizer.opt.state_dict()))
+        parameters = [p.detach().to("cpu", copy=True) for p in main]
+        state = (parameters, copy.deepcopy(self.optimizer.opt.state_dict()), compat.local_state(self.optimizer))
         if self.good is None:
             self.good = state
         else:
@@ -578,10 +586,11 @@ class LastGoodState:
 
     @torch.no_grad()
     def restore(self) -> None:
-        parameters, optimizer_state = self.good
+        parameters, optimizer_state, local_state = self.good
         main, offloaded = self._tensors()
         # with offload_optimizer the optimizer steps host copies of the model's parameters: both are restored
         for saved, target, copy_ in zip(parameters, main, offloaded):
             target.copy_(saved)
             copy_.copy_(saved)
         self.optimizer.opt.load_state_dict(copy.deepcopy(optimizer_state))
+        compat.restore_local_state(self.optimizer, local_state)

@@ -18,9 +18,11 @@ pytestmark = pytest.mark.slow
 # so a busy machine slows them alike)
 STEPS = 30
 INNER = 20  # inner steps per outer step, of 8 samples each
-# the inner LAMB steps every 8 samples, not every 384 as the tiny preset's 0.1 is for; 30 s: every trainer's wait for
-# the others after its inner steps (their pace differs on a busy machine), and the final round's window
-DILOCO = ["--diloco_inner_steps", str(INNER), "--learning_rate", "0.05", "--diloco_wait", "30"]
+# the inner LAMB steps every 8 samples, not every 384 as the tiny preset's 0.1 is for, and its schedule counts inner
+# steps (the preset's 200 would end it at outer step 10); 30 s: every trainer's wait for the others after its inner
+# steps (their pace differs on a busy machine), and the final round's window
+DILOCO = ["--diloco_inner_steps", str(INNER), "--learning_rate", "0.01", "--total_steps", "100000"]
+DILOCO += ["--diloco_wait", "30"]
 COMMON = [*DILOCO, "--max_steps", str(STEPS), "--final_averaging_window", "30", "--verbose"]
 
 
@@ -30,6 +32,10 @@ def test_two_diloco_trainers_learn_agree_and_take_in_a_newcomer(tmp_path):
     try:
         pair = [start_peer("run_trainer.py", tmp_path, f"t{i}", "diloco", initial_peers, *COMMON) for i in range(2)]
         started += pair
+        # the aux peer monitors the run and checkpoints the swarm's state every 5 outer steps
+        aux_flags = ["--refresh_period", "1", "--checkpoint_every", "5", *DILOCO]
+        aux = start_peer("run_aux_peer.py", tmp_path, "aux", "diloco", initial_peers, *aux_flags)
+        started.append(aux)
         # a newcomer joins once the pair has made an outer step: it downloads the outer and the inner state
         wait_for(lambda: len(train_log(tmp_path / "t0")) >= 1, 300, "an outer step of the first pair")
         newcomer = start_peer("run_trainer.py", tmp_path, "t2", "diloco", initial_peers, *COMMON)
@@ -37,10 +43,16 @@ def test_two_diloco_trainers_learn_agree_and_take_in_a_newcomer(tmp_path):
         trainers = [*pair, newcomer]
         for trainer in trainers:
             assert trainer.wait(400) == 0, trainer.output()[-3000:]
+        wait_for(lambda: list_checkpoints(tmp_path / "aux"), 60, "the aux peer's checkpoint")
     finally:
         for process in started:
             process.stop()
     outputs = [trainer.output() for trainer in trainers]
+    # the aux peer's monitor followed the outer steps, and its checkpoint is the swarm's model at one of them
+    assert re.search(r"global step (1[0-9]|2[0-9]|30) \| loss", aux.output()), aux.output()[-3000:]
+    aux_step, aux_checkpoint = list_checkpoints(tmp_path / "aux")[-1]
+    assert aux_step >= 5, aux_step
+    assert all(torch.isfinite(t).all() for t in load_model(aux_checkpoint).state_dict().values())
     # the newcomer started from the swarm's state, not from step 0
     assert re.search(r"joined at global step ([1-9]|1[0-9]|2[0-5])\b", outputs[2]), outputs[2][-3000:]
     # outer rounds averaged the pseudo-gradients of several trainers

@@ -150,6 +150,25 @@ def lonely_optimizer(tokenizer):
     dht.shutdown()
 
 
+def lonely_diloco(tokenizer, run_id: str, inner_steps: int = 3):
+    """A DiLoCo optimizer alone in its swarm, from the trainer's factory, and its DHT."""
+    import hivemind
+
+    from sahajbert.optim import build_collaborative_optimizer
+
+    model = build_model("tiny", tokenizer, seed=0)
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    peer_args = PeerArguments(
+        swarm_args=SwarmArguments(run_id=run_id),
+        averaging_args=AveragingArguments(matchmaking_time=1.0),
+        optimizer_args=CollaborativeOptimizerArguments(diloco_inner_steps=inner_steps),
+        training_args=LocalTrainingArguments(
+            per_device_train_batch_size=4, learning_rate=0.01, warmup_steps=1, total_steps=1000
+        ),
+    )
+    return model, build_collaborative_optimizer(model, dht, peer_args), dht
+
+
 def train_one_batch(model, optimizer):
     torch.manual_seed(optimizer.local_epoch)
     batch = {
@@ -220,6 +239,14 @@ def test_finite_parameters_that_overflow_every_pass_roll_back_to_the_last_state_
     assert rolled_back == [False] * (DROPPED_PASSES_BEFORE_ROLLBACK - 1) + [True]
     assert all(torch.equal(a, b) for a, b in zip(trained, model.parameters()))
     assert torch.isfinite(model(**batch).loss)
+    # a state restored that overflows every pass as well is not restored over and over: the trainer stops
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1e30)
+    for _ in range(DROPPED_PASSES_BEFORE_ROLLBACK - 1):
+        assert not good.after_dropped_pass()
+    with pytest.raises(UserError, match="every pass from the last good state is non-finite too"):
+        good.after_dropped_pass()
 
 
 def test_checkpoints_are_atomic_and_pruned(tmp_path, tokenizer):
@@ -368,3 +395,48 @@ def test_8bit_codecs_decode_what_they_encode(kind):
     constant = torch.full((16,), 2.5)
     encoded = serialize_torch_tensor(constant, getattr(runtime_pb2, kind))
     assert torch.equal(deserialize_torch_tensor(encoded), constant)
+
+
+def test_diloco_makes_an_outer_nesterov_step_after_its_inner_steps_and_checkpoints_both_states(tokenizer):
+    model, optimizer, dht = lonely_diloco(tokenizer, "diloco-alone")
+    other = None
+    try:
+        start = [p.detach().clone() for p in model.parameters()]
+        for _ in range(2):
+            train_one_batch(model, optimizer)
+        assert optimizer.local_epoch == 0 and optimizer.inner_step == 2, "inner steps are local"
+        assert any(not torch.equal(a, p) for a, p in zip(start, model.parameters())), "the inner LAMB stepped"
+        before_outer = {}
+        outer_step = optimizer._outer_step
+
+        def outer_step_seen():  # the real outer step, with the parameters the inner steps reached kept first
+            before_outer["parameters"] = [p.detach().clone() for p in model.parameters()]
+            outer_step()
+
+        optimizer._outer_step = outer_step_seen
+        train_one_batch(model, optimizer)  # the third inner step, then the outer one
+        assert optimizer.local_epoch == 1 and optimizer.inner_step == 0
+        # alone in the swarm, the outer step applies its own pseudo-gradient d = start - reached: SGD with Nesterov
+        # momentum 0.9 at lr 0.7 moves the parameters from the start by 0.7 x (1 + 0.9) x d on its first step
+        for begun, reached, now in zip(start, before_outer["parameters"], model.parameters()):
+            torch.testing.assert_close(now.detach(), begun - 0.7 * 1.9 * (begun - reached), rtol=1e-4, atol=1e-6)
+        train_one_batch(model, optimizer)
+        state = optimizer.state_dict()
+        # a trainer resuming from this checkpoint: the same inner state and step, in the tensors its state averager
+        # shares with newcomers (extra_tensors)
+        _, other, other_dht = lonely_diloco(tokenizer, "diloco-resumed")
+        other.load_state_dict(state)
+        assert other.local_epoch == 1 and other.inner_step == 1
+        shared = {id(t) for t in other.state_averager.extra_tensors}
+        for mine, theirs in zip(optimizer.inner.param_groups, other.inner.param_groups):
+            for p, q in zip(mine["params"], theirs["params"]):
+                for name in ("step", "exp_avg", "exp_avg_sq"):
+                    assert torch.equal(optimizer.inner.state[p][name], other.inner.state[q][name]), name
+                    assert id(other.inner.state[q][name]) in shared, f"{name} is no longer the shared tensor"
+        assert float(other.inner.state[q]["step"]) == 4
+    finally:
+        optimizer.shutdown()
+        dht.shutdown()
+        if other is not None:
+            other.shutdown()
+            other_dht.shutdown()

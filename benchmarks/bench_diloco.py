@@ -1,0 +1,152 @@
+#!/usr/bin/env python
+"""DiLoCo against synchronous data parallelism on slow links, side by side: bytes per sample, compute, loss.
+
+Each mode is one run of benchmarks/netswarm.py (network namespaces, every trainer on the --profile link, `slow`:
+20/5 Mbit/s) with the same trainers, model and total samples: data parallelism (delayed updates, fp16 gradients and
+parameters every global step of --target_batch_size samples) and DiLoCo at each H of --inner_steps (int8
+pseudo-gradients once per H inner steps of each trainer). The learning rates are constant after one warm-up step
+(--total_steps far away) so that the horizons compare: --dp_lr for data parallelism's LAMB (its batch is the
+swarm's), --inner_lr for DiLoCo's inner LAMB (its batch is one trainer's pass). "loss" is the swarm's mean loss over
+the last quarter of the samples every mode trained; its ratio to data parallelism's is the goal's measure.
+
+    sudo python benchmarks/bench_diloco.py --profile slow --samples 12288 --inner_steps 10 50 200 \
+        --plot benchmarks/diloco_curves.svg
+"""
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCH = 8  # samples per pass (tiny_trainer_flags' --per_device_train_batch_size)
+FAR = 1_000_000  # --total_steps: a schedule that stays at its peak over the run
+
+
+def run_mode(args, inner_steps: int, work: Path) -> dict:
+    """One netswarm run; its JSON result. DiLoCo's --max_steps: outer steps to reach --samples with every trainer's
+    H passes of BATCH samples."""
+    per_step = args.target_batch_size if inner_steps == 0 else args.trainers * inner_steps * BATCH
+    steps = math.ceil(args.samples / per_step)
+    output = work / f"h{inner_steps}.json"
+    command = [sys.executable, str(ROOT / "benchmarks" / "netswarm.py"), "--profile", args.profile]
+    command += ["--trainers", str(args.trainers), "--max_steps", str(steps), "--model", args.model]
+    command += ["--target_batch_size", str(args.target_batch_size), "--total_steps", str(FAR)]
+    command += ["--timeout", str(args.timeout), "--output_json", str(output)]
+    if inner_steps:
+        command += ["--diloco_inner_steps", str(inner_steps), "--learning_rate", str(args.inner_lr)]
+    else:
+        command += ["--learning_rate", str(args.dp_lr)]
+    print("running:", " ".join(command[1:]), flush=True)
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"netswarm failed for H={inner_steps}: {done.stderr.strip()[-2000:]}")
+    return json.loads(output.read_text())
+
+
+def tail_loss(curve: list[dict], samples: int) -> float:
+    """The mean loss of the steps that end within the last quarter of `samples` (by each step's samples)."""
+    points, before = [], 0
+    for point in curve:
+        if 0.75 * samples < point["samples"] <= samples * 1.05:
+            points.append((point["loss"], point["samples"] - before))
+        before = point["samples"]
+    weight = sum(w for _, w in points)
+    return sum(loss * w for loss, w in points) / weight if weight else float("nan")
+
+
+def svg_plot(results: dict[int, dict], path: Path) -> None:
+    """The loss curves against samples trained, as a self-contained SVG (no plotting library needed)."""
+    width, height, margin = 640, 400, 50
+    points = [p for r in results.values() for p in r["curve"]]
+    max_samples = max(p["samples"] for p in points)
+    low, high = min(p["loss"] for p in points), max(p["loss"] for p in points)
+    colours = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e"]
+
+    def xy(point) -> str:
+        x = margin + (width - 2 * margin) * point["samples"] / max_samples
+        y = height - margin - (height - 2 * margin) * (point["loss"] - low) / max(1e-9, high - low)
+        return f"{x:.1f},{y:.1f}"
+
+    lines = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+        'font-size="12"><rect width="100%" height="100%" fill="white"/>',
+        f'<line x1="{margin}" y1="{height - margin}" x2="{width - margin}" y2="{height - margin}" stroke="black"/>',
+        f'<line x1="{margin}" y1="{margin}" x2="{margin}" y2="{height - margin}" stroke="black"/>',
+        f'<text x="{width / 2}" y="{height - 15}" text-anchor="middle">samples trained (0 to {max_samples:,})</text>',
+        f'<text x="15" y="{height / 2}" transform="rotate(-90 15 {height / 2})" text-anchor="middle">'
+        f"loss ({low:.2f} to {high:.2f})</text>",
+    ]
+    for index, (inner_steps, result) in enumerate(sorted(results.items())):
+        colour = colours[index % len(colours)]
+        label = "data parallel" if inner_steps == 0 else f"DiLoCo H={inner_steps}"
+        lines.append(
+            f'<polyline fill="none" stroke="{colour}" stroke-width="2" '
+            f'points="{" ".join(xy(p) for p in result["curve"])}"/>'
+        )
+        lines.append(f'<text x="{width - margin - 110}" y="{margin + 16 * index}" fill="{colour}">{label}</text>')
+    path.write_text("\n".join([*lines, "</svg>"]) + "\n")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--profile", default="slow", help="netswarm's link profile of every trainer")
+    parser.add_argument("--trainers", type=int, default=2)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--samples", type=int, default=12288, help="samples every mode trains (the swarm's)")
+    parser.add_argument("--target_batch_size", type=int, default=384, help="data parallelism's global batch")
+    parser.add_argument("--inner_steps", type=int, nargs="+", default=[10, 50, 200], help="DiLoCo's H values")
+    parser.add_argument("--dp_lr", type=float, default=0.1, help="data parallelism's LAMB learning rate")
+    parser.add_argument("--inner_lr", type=float, default=0.01, help="DiLoCo's inner LAMB learning rate")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per netswarm run")
+    parser.add_argument("--output_json", default=None, help="also write every mode's netswarm result here")
+    parser.add_argument("--plot", default=None, help="write the loss curves as an SVG image here")
+    args = parser.parse_args(argv)
+    results: dict[int, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-diloco-") as tmp:
+        try:
+            for inner_steps in [0, *args.inner_steps]:
+                results[inner_steps] = run_mode(args, inner_steps, Path(tmp))
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    common = min(r["curve"][-1]["samples"] for r in results.values())
+    dp = results[0]
+    dp_loss = tail_loss(dp["curve"], common)
+    print(f"\n    sudo python benchmarks/bench_diloco.py {' '.join(argv if argv is not None else sys.argv[1:])}\n")
+    print(
+        f"profile {args.profile}, {args.trainers} trainers, model {args.model}; loss over the last quarter of "
+        f"{common:,} samples; first logged loss (data parallel) {dp['curve'][0]['loss']:.3f}\n"
+    )
+    print(
+        "| mode | outer/global steps | bytes sent per sample | vs data parallel | compute utilization | "
+        "loss | vs data parallel | parameters agree |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    for inner_steps, result in sorted(results.items()):
+        loss = tail_loss(result["curve"], common)
+        name = "data parallel (DPU, fp16)" if inner_steps == 0 else f"DiLoCo H={inner_steps} (int8)"
+        reduction = dp["bytes_per_sample"] / max(1e-9, result["bytes_per_sample"])
+        print(
+            f"| {name} | {result['global_steps']} | {result['bytes_per_sample']:,.0f} | "
+            f"{'1x' if inner_steps == 0 else f'{reduction:,.0f}x less'} | {result['compute_utilization']:.1%} | "
+            f"{loss:.3f} | {loss / dp_loss - 1:+.1%} | {'yes' if result['parameters_agree'] else 'NO'} |"
+        )
+    print("\ncurves (samples: loss):")
+    for inner_steps, result in sorted(results.items()):
+        name = "data parallel" if inner_steps == 0 else f"H={inner_steps}"
+        points = ", ".join(f"{p['samples']}: {p['loss']:.3f}" for p in result["curve"])
+        print(f"  {name}: {points}")
+    if args.plot:
+        svg_plot(results, Path(args.plot))
+        print(f"\nplot: {args.plot}")
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps({str(k): v for k, v in results.items()}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -302,8 +302,10 @@ def plan_timing(
         next_chunk_timeout=chosen(
             "next_chunk_timeout", min(clamp(both + 10, CHUNK_TIMEOUT_BOUNDS), averaging_timeout / 2)
         ),
-        # peers reach the last step up to one round apart (one finishes its last all-reduce later)
-        final_averaging_window=chosen("final_averaging_window", clamp(both + 20, FINAL_WINDOW_BOUNDS)),
+        # peers reach the last step up to one round's timeout apart: a peer whose step labels lag one behind runs a
+        # round for the step before the last that the others skip (theirs is the final round), and waits that round
+        # out before it can reach the final round; 20 s more for its last pass and a state download
+        final_averaging_window=chosen("final_averaging_window", clamp(averaging_timeout + 20, FINAL_WINDOW_BOUNDS)),
         max_refresh_period=chosen("max_refresh_period", 2.0),
         bandwidth=chosen("bandwidth", round(link.bandwidth_mbit, 1) if measured else None),
         # a newcomer downloads parameters and LAMB's two moments (3x the parameter bytes), as fast as this link

@@ -40,13 +40,14 @@ def test_timing_grows_with_the_model_and_shrinks_with_the_link():
     # sahajBERT on a 20 Mbit/s uplink: one gradient and one parameter round of 2 x 36 MB each take ~58 s
     assert 150 <= big_slow.averaging_timeout <= 250, big_slow
     assert big_slow.next_chunk_timeout <= big_slow.averaging_timeout / 2
-    assert big_slow.final_averaging_window > 60
+    # a peer that lags one step behind waits out a round the others skip before it reaches the final round
+    assert big_slow.final_averaging_window >= big_slow.averaging_timeout + 20
     assert big_slow.bandwidth == 20.0, "the lower of upload and download is declared"
     # its state (parameters and two LAMB moments in fp16, 85 MB) downloads in ~34 s at 20 Mbit/s
     assert 100 <= big_slow.load_state_timeout <= 200 and 60 <= big_slow.join_wait <= 120, big_slow
     # the tiny model on loopback: every value at its floor, which a busy 2-core machine still meets
     assert small_fast.averaging_timeout == AVERAGING_TIMEOUT_BOUNDS[0]
-    assert small_fast.matchmaking_time == 5.0 and small_fast.final_averaging_window == 30.0
+    assert small_fast.matchmaking_time == 5.0 and small_fast.final_averaging_window == 50.0
     assert small_fast.load_state_timeout == pytest.approx(30.0, abs=0.1)
     # a longer round trip: longer matchmaking
     assert plan_timing(*tiny, LinkEstimate(1000.0, 1000.0, 0.5), NOTHING_EXPLICIT).matchmaking_time == 10.0

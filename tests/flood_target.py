@@ -1,10 +1,11 @@
 """A peer for tests/test_bounds.py to flood: a DHT and a started state averager, on 127.0.0.1.
 
-`python tests/flood_target.py ours [VALUES]` runs ours (sahajbert.hivemind_compat imported: its stream-message and DHT
-storage bounds in force, GuardedStateAverager, the link probe served); `plain` runs hivemind's TrainingStateAverager
-without importing our package (the control). Prints one JSON line (the DHT's addresses, the DHT's and the averager's
-process ids, the all-reduce handler's name), then runs until its stdin closes. Its state is VALUES parameters
-(default 1000).
+`python tests/flood_target.py ours [VALUES [RATE,BURST]]` runs ours (sahajbert.hivemind_compat imported: its
+stream-message and DHT bounds in force, GuardedStateAverager, the link probe served); `plain` runs hivemind's
+TrainingStateAverager without importing our package (the control). Prints one JSON line (the DHT's addresses, the DHT's
+and the averager's process ids, the all-reduce handler's name, its DHT request bounds), then runs until its stdin
+closes. Its state is VALUES parameters (default 1000); RATE,BURST replace our DHT request allowance per caller
+(requests per second and burst), so that a test's flood outruns it on a machine of any speed.
 """
 
 import json
@@ -28,6 +29,9 @@ def main() -> None:
         from sahajbert import hivemind_compat as compat
 
         averager_class = compat.GuardedStateAverager
+        if len(sys.argv) > 3:
+            rate, burst = sys.argv[3].split(",")
+            compat.DHT_REQUESTS_PER_SECOND, compat.DHT_REQUEST_BURST = float(rate), int(burst)
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     if kind == "ours":
         adaptive.serve_link_probe(dht)
@@ -41,6 +45,8 @@ def main() -> None:
     handler = TrainingStateAverager._get_handle_name(PREFIX, "rpc_aggregate_part")
     maddrs = [str(maddr) for maddr in dht.get_visible_maddrs()]
     info = {"maddrs": maddrs, "averager_pid": averager.pid, "dht_pid": dht.pid, "handler": handler}
+    if kind == "ours":
+        info["dht_rate"], info["dht_burst"] = compat.DHT_REQUESTS_PER_SECOND, compat.DHT_REQUEST_BURST
     print(json.dumps(info), flush=True)
     sys.stdin.read()
     averager.shutdown()

@@ -21,12 +21,17 @@ from hivemind.utils import get_dht_time
 from sahajbert.adaptive import PROBE_CHUNK, PROBE_PROTOCOL
 from sahajbert.arguments import MAX_RECORD_LIFETIME
 from sahajbert.hivemind_compat import (
+    DHT_REQUEST_BURST,
+    DHT_REQUESTS_PER_SECOND,
+    MAX_DHT_CALLERS_TRACKED,
+    MAX_DHT_KEYS_PER_REQUEST,
     MAX_RECORD_BYTES,
     MAX_REQUESTS_PER_PEER,
     MAX_STORED_RECORDS,
     MAX_STREAM_MESSAGE_BYTES,
     RECOUNT_EVERY,
     BoundedLocalStorage,
+    _Allowance,
 )
 from sahajbert.localswarm import peer_env
 
@@ -38,11 +43,12 @@ ARRIVAL_WAIT = 60.0  # seconds for what was sent into an open stream to reach th
 
 
 @contextmanager
-def target(kind: str, values: int = 1000):
-    """A flood target (tests/flood_target.py, its state `values` parameters) in its own process; what it printed
-    about itself."""
+def target(kind: str, values: int = 1000, dht_allowance: str | None = None):
+    """A flood target (tests/flood_target.py, its state `values` parameters, our DHT request allowance "RATE,BURST"
+    if given) in its own process; what it printed about itself."""
     process = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "flood_target.py"), kind, str(values)],
+        [sys.executable, str(ROOT / "tests" / "flood_target.py"), kind, str(values)]
+        + ([dht_allowance] if dht_allowance else []),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -217,7 +223,7 @@ FLOOD_RECORDS, FLOOD_VALUE_BYTES = 3 * MAX_STORED_RECORDS, 3000  # 86 MiB of val
 def test_a_flood_of_dht_records_cannot_fill_a_peers_memory(our_peer):
     with target("plain") as plain_info:
         plain = asyncio.run(flood_records(plain_info, FLOOD_RECORDS, FLOOD_VALUE_BYTES))
-    ours = asyncio.run(flood_records(our_peer, FLOOD_RECORDS, FLOOD_VALUE_BYTES))
+    ours = asyncio.run(flood_records(our_peer, FLOOD_RECORDS, FLOOD_VALUE_BYTES, batch=MAX_DHT_KEYS_PER_REQUEST))
     results = {"plain": plain, "ours": ours}
     # hivemind's DHT (the control) keeps every record, and one for 10 hours
     values_mib = FLOOD_RECORDS * FLOOD_VALUE_BYTES / 2**20
@@ -275,3 +281,87 @@ def test_one_peer_downloads_one_state_at_a_time():
     assert results["plain"]["served_at_once"] == DOWNLOADS, results
     assert results["ours"]["served_at_once"] == MAX_REQUESTS_PER_PEER["state"] == 1, results
     assert results["ours"]["served_after"], results
+
+
+def test_a_callers_dht_allowance_is_a_burst_then_a_rate():
+    now = [0.0]
+    allowance = _Allowance(clock=lambda: now[0])
+    assert all(allowance.take("flooder") for _ in range(DHT_REQUEST_BURST))
+    assert not allowance.take("flooder")
+    assert allowance.take("honest"), "each caller has its own allowance"
+    now[0] += 1.0  # one second refills the rate's worth
+    granted = sum(allowance.take("flooder") for _ in range(2 * int(DHT_REQUESTS_PER_SECOND)))
+    assert granted == DHT_REQUESTS_PER_SECOND
+
+
+def test_the_dht_allowance_remembers_a_bounded_number_of_callers():
+    now = [0.0]
+    allowance = _Allowance(clock=lambda: now[0])
+    assert all(allowance.take(i) for i in range(MAX_DHT_CALLERS_TRACKED))
+    # every caller still active: a new one is refused rather than remembered
+    assert not allowance.take("newcomer") and len(allowance.tokens) == MAX_DHT_CALLERS_TRACKED
+    now[0] += DHT_REQUEST_BURST / DHT_REQUESTS_PER_SECOND  # their allowances have refilled: they are forgotten
+    assert allowance.take("newcomer") and len(allowance.tokens) == 1
+
+
+FLOOD_CONCURRENCY = 32  # DHT requests the flooder keeps in flight
+FLOOD_SECONDS = 60.0  # the most a flood runs before it gives up waiting for a refusal
+BIG_FIND_KEYS = 20 * MAX_DHT_KEYS_PER_REQUEST
+
+
+async def flood_dht_requests(info: dict, limit: int) -> dict:
+    """From one client node: a find for BIG_FIND_KEYS keys, then pings, FLOOD_CONCURRENCY at a time, until one is
+    refused or `limit` were answered (or FLOOD_SECONDS pass); then whether another caller is answered at once, and
+    whether the flooder is answered again 2 s later."""
+    flooder = await DHTNode.create(initial_peers=info["maddrs"], client_mode=True)
+    other = await DHTNode.create(initial_peers=info["maddrs"], client_mode=True)
+    try:
+        peer = PeerID.from_base58(info["maddrs"][0].split("/p2p/")[1])
+        keys = [DHTID.generate(f"key{i}") for i in range(BIG_FIND_KEYS)]
+        big_find = await flooder.protocol.call_find(peer, keys)
+        answered, refused, started = 0, 0, time.monotonic()
+        while not refused and answered < limit and time.monotonic() - started < FLOOD_SECONDS:
+            found = await asyncio.gather(*(flooder.protocol.call_ping(peer) for _ in range(FLOOD_CONCURRENCY)))
+            answered += sum(result is not None for result in found)
+            refused += sum(result is None for result in found)
+        elapsed = time.monotonic() - started
+        other_answered = await other.protocol.call_ping(peer) is not None
+        await asyncio.sleep(2.0)
+        again = await flooder.protocol.call_ping(peer) is not None
+        return {
+            "big_find_answered": big_find is not None,
+            "answered": answered,
+            "refused": refused,
+            "seconds": elapsed,
+            "other_answered": other_answered,
+            "answered_again": again,
+        }
+    finally:
+        await flooder.shutdown()
+        await other.shutdown()
+
+
+# the allowance of the target flooded below: far under the flooder's pace on any machine (the defaults are 5x
+# hivemind's measured peak, which a loopback flood on a busy 2-core machine may not outrun)
+TEST_RATE, TEST_BURST = 20, 200
+
+
+@pytest.mark.slow
+def test_a_flood_of_dht_requests_is_answered_at_a_bounded_rate():
+    with target("ours", dht_allowance=f"{TEST_RATE},{TEST_BURST}") as info:
+        assert (info["dht_rate"], info["dht_burst"]) == (TEST_RATE, TEST_BURST)
+        ours = asyncio.run(flood_dht_requests(info, limit=100 * TEST_BURST))
+    with target("plain") as plain_info:
+        plain = asyncio.run(flood_dht_requests(plain_info, limit=ours["answered"] + ours["refused"]))
+    results = {"plain": plain, "ours": ours}
+    # hivemind's DHT (the control) answers a find for any number of keys, and every request of the flood
+    assert plain["big_find_answered"] and plain["refused"] == 0, results
+    assert plain["answered"] >= ours["answered"] + ours["refused"], results
+    # ours refuses the find over the keys bound, then answers the flood's burst and its rate, no more
+    assert not ours["big_find_answered"], results
+    assert ours["refused"] > 0, results
+    # (the flooder's own bootstrap, a few requests before the flood, drew on its allowance too)
+    bound = TEST_BURST + TEST_RATE * ours["seconds"]
+    assert TEST_BURST - 20 <= ours["answered"] <= bound, results
+    # another caller keeps its own allowance, and the flooder's refills
+    assert ours["other_answered"] and ours["answered_again"], results

@@ -279,10 +279,15 @@ def round_seconds(payload_bytes: float, link: LinkEstimate) -> float:
 
 
 def plan_timing(
-    gradient_bytes: float, state_bytes: float, link: LinkEstimate | None, explicit: dict[str, float | None]
+    gradient_bytes: float,
+    state_bytes: float,
+    link: LinkEstimate | None,
+    explicit: dict[str, float | None],
+    round_wait: float = 0.0,
 ) -> Timing:
     """The automatic timing for one all-reduce of gradients and one of parameters per global step (they overlap
-    on the link with delayed updates, so both count); `explicit` values (not None) are kept as they are."""
+    on the link with delayed updates, so both count); `explicit` values (not None) are kept as they are.
+    `round_wait`: seconds a round may wait for its group beyond its timeout (`round_wait_of`)."""
     measured = link is not None
     link = link or FALLBACK_LINK
     both = round_seconds(gradient_bytes + state_bytes, link)
@@ -305,7 +310,9 @@ def plan_timing(
         # peers reach the last step up to one round's timeout apart: a peer whose step labels lag one behind runs a
         # round for the step before the last that the others skip (theirs is the final round), and waits that round
         # out before it can reach the final round; 20 s more for its last pass and a state download
-        final_averaging_window=chosen("final_averaging_window", clamp(averaging_timeout + 20, FINAL_WINDOW_BOUNDS)),
+        final_averaging_window=chosen(
+            "final_averaging_window", clamp(averaging_timeout + round_wait + 20, FINAL_WINDOW_BOUNDS)
+        ),
         max_refresh_period=chosen("max_refresh_period", 2.0),
         bandwidth=chosen("bandwidth", round(link.bandwidth_mbit, 1) if measured else None),
         # a newcomer downloads parameters and LAMB's two moments (3x the parameter bytes), as fast as this link
@@ -385,6 +392,13 @@ def explicit_timing(peer_args: PeerArguments) -> dict[str, float | None]:
     return {name: values[name] for name in names}
 
 
+def round_wait_of(peer_args: PeerArguments) -> float:
+    """Seconds a round may wait for its group beyond the round timeout: DiLoCo's wait for every trainer to finish its
+    inner steps (--diloco_wait), which its outer rounds add to their timeout; 0 in synchronous training."""
+    optimizer_args = peer_args.optimizer_args
+    return float(optimizer_args.diloco_wait) if optimizer_args.diloco_inner_steps else 0.0
+
+
 def state_download_bytes(parameters: int, compression: str) -> float:
     """What a newcomer downloads: the parameters and LAMB's two moments, at the state's compression."""
     return 3 * payload_bytes(parameters, compression)[1]
@@ -408,7 +422,7 @@ def tune(
                 f"probe is tried again in {PROBE_RETRY:.0f} s"
             )
     gradient_bytes, state_bytes = payload_bytes(parameters, averaging_args.compression)
-    timing = plan_timing(gradient_bytes, state_bytes, link, explicit)
+    timing = plan_timing(gradient_bytes, state_bytes, link, explicit, round_wait_of(peer_args))
     measured = (
         f"link {link.upload_mbit:.1f} Mbit/s up, {link.download_mbit:.1f} down, {link.round_trip_s * 1000:.0f} ms"
         if link is not None

@@ -277,8 +277,8 @@ class AveragingArguments:
             "help": "Seconds the trainers that reach --max_steps wait for each other to average their parameters "
             "once more, so they all end with the same model (with delayed updates each applies the last update on "
             "its own). Peers finishing within this window of the first one join it; 0 skips the round (default: "
-            "automatic, the averaging timeout plus 20 s, at least 30 s: a peer lagging one step behind waits out one "
-            "round that the others skip before it gets there)."
+            "automatic, the averaging timeout plus 20 s, at least 30 s, plus --diloco_wait with --diloco_inner_steps: "
+            "a peer lagging one step behind waits out one round that the others skip before it gets there)."
         },
     )
     measure_link: bool = field(

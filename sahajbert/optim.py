@@ -19,7 +19,7 @@ from transformers import get_linear_schedule_with_warmup
 
 from sahajbert import hivemind_compat as compat
 from sahajbert import robust
-from sahajbert.adaptive import Timing, explicit_timing, payload_bytes, plan_timing
+from sahajbert.adaptive import Timing, explicit_timing, payload_bytes, plan_timing, round_wait_of
 from sahajbert.arguments import PeerArguments
 
 
@@ -157,7 +157,8 @@ def build_collaborative_optimizer(
     state_compression = NoCompression() if averaging_args.compression == "none" else Float16Compression()
     if timing is None:
         parameters = sum(p.numel() for p in model.parameters())
-        timing = plan_timing(*payload_bytes(parameters, averaging_args.compression), None, explicit_timing(peer_args))
+        payload = payload_bytes(parameters, averaging_args.compression)
+        timing = plan_timing(*payload, None, explicit_timing(peer_args), round_wait_of(peer_args))
     averager_opts = {}
     if timing.bandwidth is not None:
         averager_opts["bandwidth"] = timing.bandwidth

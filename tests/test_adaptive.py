@@ -49,6 +49,10 @@ def test_timing_grows_with_the_model_and_shrinks_with_the_link():
     assert small_fast.averaging_timeout == AVERAGING_TIMEOUT_BOUNDS[0]
     assert small_fast.matchmaking_time == 5.0 and small_fast.final_averaging_window == 50.0
     assert small_fast.load_state_timeout == pytest.approx(30.0, abs=0.1)
+    # DiLoCo's rounds wait up to --diloco_wait for every trainer beyond their timeout: the final window covers that
+    assert plan_timing(*tiny, None, NOTHING_EXPLICIT, round_wait=60).final_averaging_window == pytest.approx(
+        plan_timing(*tiny, None, NOTHING_EXPLICIT).final_averaging_window + 60
+    )
     # a longer round trip: longer matchmaking
     assert plan_timing(*tiny, LinkEstimate(1000.0, 1000.0, 0.5), NOTHING_EXPLICIT).matchmaking_time == 10.0
 

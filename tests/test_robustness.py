@@ -176,11 +176,12 @@ def test_a_misbehaving_peer_cannot_poison_the_run(tmp_path):
     logs = [train_log(tmp_path / "attacked" / f"h{i}") for i in range(2)]
     last_steps = [list_checkpoints(tmp_path / "attacked" / f"h{i}")[-1][0] for i in range(2)]
     assert max(last_steps) == STEPS and min(last_steps) >= STEPS - 2, last_steps
-    # the attacker was counted in their swarm (a tracker's count lapses now and then: by one of them at least), and
-    # their parameters are finite. (Not asserted equal: once the attacker is left out, rounds that waited for its
-    # parts can spread the honest trainers' last steps further apart than the final round's window, and each then
-    # keeps its own parameters.)
-    assert any(max(r.peers for r in log) == 3 for log in logs), [[r.peers for r in log] for log in logs]
+    # the attacker was in their groups: an honest reducer received its parts (a step record's peer count is no
+    # proof either way: the tracker ignores the attacker's inflated claims, so it may never count it), and their
+    # parameters are finite. (Not asserted equal: once the attacker is left out, rounds that waited for its parts
+    # can spread the honest trainers' last steps further apart than the final round's window, and each then keeps
+    # its own parameters.)
+    assert f"dropped the non-finite or misshapen contribution of {attacker_id}" in outputs, outputs[-4000:]
     for i in range(2):
         parameters = weights(tmp_path / "attacked" / f"h{i}")
         assert all(torch.isfinite(tensor).all() for tensor in parameters.values())

@@ -278,15 +278,15 @@ class BoundedDHTProtocol(DHTProtocol):
     Installed for every DHT node this process or its children start (`hivemind.dht.node.DHTProtocol`); it serves
     under hivemind's handler names, so it answers and calls plain hivemind peers as before."""
 
-    _allowance: _Allowance | None = None
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._allowance = _Allowance()
 
     @classmethod
     def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
         return DHTProtocol._get_handle_name(namespace, method_name)
 
     def _admit(self, context: P2PContext, keys: int) -> None:
-        if self._allowance is None:
-            self._allowance = _Allowance()
         if keys > MAX_DHT_KEYS_PER_REQUEST:
             _refused_dht_keys.refused(
                 f"refused a DHT request for {keys} keys from peer {context.remote_id} (the bound is "

@@ -73,12 +73,17 @@ def rss_mib(pid: int) -> float:
     return psutil.Process(pid).memory_info().rss / 2**20
 
 
+def target_peer(info: dict) -> PeerID:
+    """The flood target's peer id, from the multiaddrs it printed."""
+    return PeerID.from_base58(info["maddrs"][0].split("/p2p/")[1])
+
+
 @asynccontextmanager
 async def connected(info: dict):
     """A raw libp2p peer connected to the target; yields it and the target's peer id."""
     p2p = await P2P.create(initial_peers=info["maddrs"])
     try:
-        yield p2p, PeerID.from_base58(info["maddrs"][0].split("/p2p/")[1])
+        yield p2p, target_peer(info)
     finally:
         await p2p.shutdown()
 
@@ -202,7 +207,7 @@ async def flood_records(info: dict, records: int, value_bytes: int, batch: int =
     daemon passes in one), then one that would be kept 10x the lifetime bound; the target's DHT process memory."""
     node = await DHTNode.create(initial_peers=info["maddrs"], client_mode=True)
     try:
-        peer = PeerID.from_base58(info["maddrs"][0].split("/p2p/")[1])
+        peer = target_peer(info)
         before, accepted = rss_mib(info["dht_pid"]), 0
         value, expiration = bytes(value_bytes), get_dht_time() + 600
         for start in range(0, records, batch):
@@ -316,7 +321,7 @@ async def flood_dht_requests(info: dict, limit: int) -> dict:
     flooder = await DHTNode.create(initial_peers=info["maddrs"], client_mode=True)
     other = await DHTNode.create(initial_peers=info["maddrs"], client_mode=True)
     try:
-        peer = PeerID.from_base58(info["maddrs"][0].split("/p2p/")[1])
+        peer = target_peer(info)
         keys = [DHTID.generate(f"key{i}") for i in range(BIG_FIND_KEYS)]
         big_find = await flooder.protocol.call_find(peer, keys)
         answered, refused, started = 0, 0, time.monotonic()

@@ -41,20 +41,22 @@ def should_stop(position: SwarmPosition, max_steps: int | None) -> bool:
 
 
 def joins_last_step(
-    before_pass: SwarmPosition, now: SwarmPosition, max_steps: int | None, rounds_in_background: bool
+    after_step: SwarmPosition, now: SwarmPosition, max_steps: int | None, rounds_in_background: bool
 ) -> bool:
-    """Another peer's step took the swarm to the last step during this peer's pass, which began level with it.
+    """Another peer's step took the swarm to the last step since this peer's last step, after which it was level.
 
     With gradient rounds in the background (delayed updates) a peer announces its step as the round starts: this
     peer's samples counted toward that step, and the other peer's round keeps looking for a group until the round
     timeout after its step, so this peer makes the step too, in that round (stopping instead left the other alone in
-    it until that timeout, then stepping with its own gradients). In lockstep the step is announced after its round
-    has ended. A peer whose step lagged before the pass (`swarm_reached`) stops as before.
+    it until that timeout, then stepping with its own gradients). The step may show during this peer's next pass or
+    before it begins (a tracker's view is up to a refresh period old, so a step taken during the pass that just ended
+    can show only after this peer's own step call): both count. In lockstep the step is announced after its round
+    has ended. A peer whose step lagged after its last step (`swarm_reached`) stops as before.
     """
     return (
         rounds_in_background
         and max_steps is not None
-        and before_pass.swarm_step <= before_pass.local_step == now.local_step < max_steps
+        and after_step.swarm_step <= after_step.local_step == now.local_step < max_steps
         and now.swarm_step == now.local_step + 1 == max_steps
     )
 

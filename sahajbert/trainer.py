@@ -209,14 +209,17 @@ class TrainerPeer(SwarmPeer):
         self.stop = stop
         try:
             # an invite the organizer no longer renews ends this peer's part: checkpoint, then leave with one line
-            while not (stop or self._should_stop() or self.access_lost):
-                before_pass = compat.position(self.optimizer)
+            # where things stood after this peer's last step: another peer's step seen since then, taking the swarm to
+            # the last step, may have counted this peer's samples and waits for its part (stopping.joins_last_step)
+            after_step = compat.position(self.optimizer)
+            while not (stop or self._should_stop(after_step) or self.access_lost):
                 pass_loss = self._forward_backward()
                 if pass_loss is None:
                     continue  # non-finite loss or gradients: this pass was dropped, nothing was sent
-                if self._should_stop(before_pass):
+                if self._should_stop(after_step):
                     break  # the swarm got there in a round without us: do not step alone
                 host_changed = self._step(pass_loss)
+                after_step = compat.position(self.optimizer)
                 if self.optimizer.local_epoch != self.last_step:
                     self._after_global_step()
                     host_changed = True
@@ -230,12 +233,12 @@ class TrainerPeer(SwarmPeer):
         self.check_access()
         return result
 
-    def _should_stop(self, before_pass: compat.SwarmPosition | None = None) -> bool:
-        """Whether to stop now; `before_pass`: where things stood when the pass just computed began."""
+    def _should_stop(self, after_step: compat.SwarmPosition) -> bool:
+        """Whether to stop now; `after_step`: where things stood after this peer's last step (or its start)."""
         max_steps = self.args.training_args.max_steps
         position = compat.position(self.optimizer)
         in_background = compat.gradient_rounds_in_background(self.optimizer)
-        if before_pass is not None and joins_last_step(before_pass, position, max_steps, in_background):
+        if joins_last_step(after_step, position, max_steps, in_background):
             return False
         if should_settle(position, max_steps):
             timeout = SETTLE_MATCHMAKING_TIMES * self.timing.matchmaking_time

@@ -114,21 +114,23 @@ def test_a_finished_gradient_round_holds_nobody_back():
 
 
 @pytest.mark.parametrize(
-    "before, now, background, joins",
+    "after_step, now, background, joins",
     [
-        ((4, 4), (4, 5), True, True),  # another peer began the last step during this pass: its round waits for us
+        # another peer began the last step since this peer's last step (shown during the next pass or before it):
+        # its round waits for us
+        ((4, 4), (4, 5), True, True),
         ((4, 4), (4, 5), False, False),  # lockstep: that step was announced after its round ended
-        ((4, 5), (4, 5), True, False),  # this peer lagged before the pass (a label one lower): stop on the swarm's
+        ((4, 5), (4, 5), True, False),  # this peer lagged after its last step (a label one lower): stop on the swarm's
         ((3, 3), (3, 4), True, False),  # not the last step: the loop goes on anyway, nothing to decide
         ((5, 5), (5, 6), True, False),  # this peer is already at --max_steps
     ],
 )
-def test_a_peer_whose_pass_was_under_way_makes_the_last_step_with_the_others(before, now, background, joins):
+def test_a_peer_whose_pass_was_under_way_makes_the_last_step_with_the_others(after_step, now, background, joins):
     def at(steps):
         return compat.position(stand_in_optimizer(local=steps[0], swarm=steps[1]))
 
-    assert joins_last_step(at(before), at(now), 5, rounds_in_background=background) is joins
-    assert not joins_last_step(at(before), at(now), None, rounds_in_background=background)
+    assert joins_last_step(at(after_step), at(now), 5, rounds_in_background=background) is joins
+    assert not joins_last_step(at(after_step), at(now), None, rounds_in_background=background)
 
 
 @pytest.mark.parametrize(

@@ -1412,9 +1412,24 @@ class DiLoCoOptimizer(GuardedOptimizer):
             self.scheduled_grads = self.grad_averager.schedule_step(
                 scheduled_time=get_dht_time() + wait, timeout=self.averaging_timeout
             )
-        self._update_global_epoch(None)
+        self.own_pseudo_gradient = [p.grad for p in self.state_averager.main_parameters]
+        try:
+            self._update_global_epoch(None)
+        finally:
+            self.own_pseudo_gradient = None
         self.inner_step = self.round_samples = 0
         self.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def _load_local_gradients_into_optimizer(self):
+        """No other peer, or a failed round: the outer step takes this peer's own pseudo-gradient. (hivemind's
+        fallback reloads the gradient accumulators, which the start of a round has reset: after a failed round the
+        outer step got zeros and took the model back to where its inner steps began, H steps of work lost.)"""
+        logger.log(self.status_loglevel, "Proceeding with this peer's own pseudo-gradient")
+        with self.grad_averager.get_tensors() as averaged:
+            for target, own in zip(averaged, self.own_pseudo_gradient):
+                target.copy_(own)
+        self._load_averaged_gradients_into_optimizer_()
 
     def load_state_from_peers(self, **kwargs):
         super().load_state_from_peers(**kwargs)

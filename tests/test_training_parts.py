@@ -3,6 +3,8 @@
 import json
 import math
 import runpy
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -150,18 +152,18 @@ def lonely_optimizer(tokenizer):
     dht.shutdown()
 
 
-def lonely_diloco(tokenizer, run_id: str, inner_steps: int = 3):
-    """A DiLoCo optimizer alone in its swarm, from the trainer's factory, and its DHT."""
+def lonely_diloco(tokenizer, run_id: str, inner_steps: int = 3, dht=None, averaging_timeout: float | None = None):
+    """A DiLoCo optimizer alone in its swarm, from the trainer's factory, and its DHT (a new one unless given)."""
     import hivemind
 
     from sahajbert.optim import build_collaborative_optimizer
 
     model = build_model("tiny", tokenizer, seed=0)
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dht = dht or hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     peer_args = PeerArguments(
         swarm_args=SwarmArguments(run_id=run_id),
-        averaging_args=AveragingArguments(matchmaking_time=1.0),
-        optimizer_args=CollaborativeOptimizerArguments(diloco_inner_steps=inner_steps),
+        averaging_args=AveragingArguments(matchmaking_time=1.0, averaging_timeout=averaging_timeout),
+        optimizer_args=CollaborativeOptimizerArguments(diloco_inner_steps=inner_steps, diloco_wait=0),
         training_args=LocalTrainingArguments(
             per_device_train_batch_size=4, learning_rate=0.01, warmup_steps=1, total_steps=1000
         ),
@@ -395,6 +397,46 @@ def test_8bit_codecs_decode_what_they_encode(kind):
     constant = torch.full((16,), 2.5)
     encoded = serialize_torch_tensor(constant, getattr(runtime_pb2, kind))
     assert torch.equal(deserialize_torch_tensor(encoded), constant)
+
+
+def test_a_failed_outer_round_steps_on_the_peers_own_pseudo_gradient(tokenizer):
+    # another peer reports progress, so the outer round looks for it, and never comes to the round, which fails: the
+    # outer step takes this peer's own pseudo-gradient (hivemind's fallback gave it zeros: the model went back to
+    # where its inner steps began)
+    from sahajbert import hivemind_compat as compat
+    from sahajbert.localswarm import wait_for
+
+    model, optimizer, dht = lonely_diloco(tokenizer, "diloco-failed-round", averaging_timeout=3.0)
+    absent = subprocess.Popen(
+        [sys.executable, str(script("tests/absent_peer.py")), "diloco-failed-round", str(dht.get_visible_maddrs()[0])],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert absent.stdout.readline().strip() == "reporting"
+        start = [p.detach().clone() for p in model.parameters()]
+        for _ in range(2):
+            train_one_batch(model, optimizer)
+        wait_for(
+            lambda: compat.read_progress_now(optimizer, 5) and optimizer.tracker.global_progress.num_peers == 2,
+            60,
+            "the other peer's progress to be seen",
+        )
+        reached = [p.detach().clone() for p in model.parameters()]
+        train_one_batch(model, optimizer)  # the third inner step, then the outer round, which finds nobody
+        assert optimizer.local_epoch == 1
+        # the outer step went the way of the inner steps (the third moved the parameters on from `reached`, hence a
+        # direction rather than values); with zeros it went nowhere: exactly back to the start
+        moved = torch.cat([(now.detach() - begun).flatten() for begun, now in zip(start, model.parameters())])
+        own = torch.cat([(r - begun).flatten() for begun, r in zip(start, reached)])
+        assert torch.nn.functional.cosine_similarity(moved, own, dim=0) > 0.5
+        assert moved.norm() > own.norm(), "Nesterov SGD at lr 0.7, momentum 0.9: 1.33x the pseudo-gradient"
+    finally:
+        absent.stdin.close()
+        absent.wait(60)
+        optimizer.shutdown()
+        dht.shutdown()
 
 
 def test_diloco_makes_an_outer_nesterov_step_after_its_inner_steps_and_checkpoints_both_states(tokenizer):

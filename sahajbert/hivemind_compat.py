@@ -1356,6 +1356,7 @@ class DiLoCoOptimizer(GuardedOptimizer):
         # seconds between inner steps (compute included; an average over the last few), and when the last one was
         self.inner_step_seconds: float | None = None
         self._last_inner_step_at: float | None = None
+        self.own_pseudo_gradient: list[torch.Tensor] | None = None  # during an outer step: this peer's, for a failure
         extras = tuple(self._initialize_inner_state())
         kwargs.update(
             extra_tensors=extras,
@@ -1470,6 +1471,8 @@ class DiLoCoOptimizer(GuardedOptimizer):
         """No other peer, or a failed round: the outer step takes this peer's own pseudo-gradient. (hivemind's
         fallback reloads the gradient accumulators, which the start of a round has reset: after a failed round the
         outer step got zeros and took the model back to where its inner steps began, H steps of work lost.)"""
+        if self.own_pseudo_gradient is None:  # not in an outer step (an auxiliary peer's round): hivemind's way
+            return super()._load_local_gradients_into_optimizer()
         logger.log(self.status_loglevel, "Proceeding with this peer's own pseudo-gradient")
         with self.grad_averager.get_tensors() as averaged:
             for target, own in zip(averaged, self.own_pseudo_gradient):

@@ -1340,11 +1340,6 @@ class DiLoCoOptimizer(GuardedOptimizer):
     counted over the run (global step x H + the inner steps since); `wait`: seconds a peer that made its H steps
     waits for every other trainer to make theirs (its round starts as soon as the group holds all of them), 0: the
     peers that are ready go on within the matchmaking time.
-
-    The outer round is matched in advance, as hivemind's optimizer does for its gradient rounds: once the inner steps
-    left would take less than the matchmaking time (and half the chunk timeout; at the pace measured between inner
-    steps), matchmaking starts, so that the group is formed while the last inner steps compute and the H-th step
-    waits only for the slowest groupmate and the all-reduce.
     """
 
     def __init__(self, *, inner_optimizer, inner_lr: Callable[[int], float], inner_steps: int, wait: float, **kwargs):
@@ -1353,9 +1348,6 @@ class DiLoCoOptimizer(GuardedOptimizer):
         self.inner_lr, self.inner_steps, self.wait = inner_lr, inner_steps, wait
         self.inner_step = 0  # inner steps since the last outer step
         self.round_samples = 0  # samples behind them
-        # seconds between inner steps (compute included; an average over the last few), and when the last one was
-        self.inner_step_seconds: float | None = None
-        self._last_inner_step_at: float | None = None
         self.own_pseudo_gradient: list[torch.Tensor] | None = None  # during an outer step: this peer's, for a failure
         extras = tuple(self._initialize_inner_state())
         kwargs.update(
@@ -1398,51 +1390,13 @@ class DiLoCoOptimizer(GuardedOptimizer):
             return None  # these gradients came from parameters the swarm has moved past
         for group in self.inner.param_groups:
             group["lr"] = self.inner_lr(self.run_inner_step)
-        self._time_inner_step()
         self.inner.step()
         self.inner_step += 1
         self.round_samples += batch_size
         self.tracker.report_local_progress(self.local_epoch, self.round_samples)
         if self.inner_step >= self.inner_steps:
             self._outer_step()
-            self._last_inner_step_at = None  # the next interval holds the outer round, not an inner step's pace
-        else:
-            self._maybe_schedule_outer_round()
         return None
-
-    def _time_inner_step(self) -> None:
-        now = time.perf_counter()
-        if self._last_inner_step_at is not None:
-            seconds = now - self._last_inner_step_at
-            previous = self.inner_step_seconds
-            self.inner_step_seconds = seconds if previous is None else 0.8 * previous + 0.2 * seconds
-        self._last_inner_step_at = now
-
-    def _outer_round_scheduled(self) -> bool:
-        scheduled = self.scheduled_grads
-        return scheduled is not None and not scheduled.triggered and not scheduled.done()
-
-    def _maybe_schedule_outer_round(self) -> None:
-        """Start matching the coming outer round once its inner steps will end within the matchmaking time, and
-        within half the chunk timeout: the group may form before this peer's H-th step, and its groupmates' part of
-        the all-reduce waits for this peer's part at most a chunk timeout."""
-        if self._outer_round_scheduled() or self.inner_step_seconds is None:
-            return
-        seconds_left = (self.inner_steps - self.inner_step) * self.inner_step_seconds
-        lead = min(self.matchmaking_time, self.next_chunk_timeout / 2)
-        if seconds_left <= lead and self.tracker.global_progress.num_peers > 1:
-            logger.debug(f"matching the outer round {seconds_left:.2f} s before this peer's inner steps end")
-            self.scheduled_grads = self._schedule_outer_round(seconds_left)
-
-    def _schedule_outer_round(self, seconds_left: float) -> StepControl:
-        """Matchmaking for the outer round whose inner steps end in `seconds_left`: its group closes `wait` seconds
-        (at least the matchmaking time) after that, or as soon as it holds every trainer when `wait` is set."""
-        if self.wait > 0:
-            self.grad_averager.set_target_group_size(self.tracker.global_progress.num_peers)
-        return self.grad_averager.schedule_step(
-            scheduled_time=get_dht_time() + seconds_left + max(self.wait, self.matchmaking_time),
-            timeout=self.averaging_timeout + seconds_left,
-        )
 
     @torch.no_grad()
     def _outer_step(self) -> None:
@@ -1451,13 +1405,14 @@ class DiLoCoOptimizer(GuardedOptimizer):
             model_param.grad = outer_param.to(model_param.device) - model_param
         self.grad_averager.reset_accumulated_grads_()
         self.grad_averager.accumulate_grads_(self.round_samples)  # once: the pseudo-gradient, weighted by samples
-        alone = self.tracker.global_progress.num_peers <= 1
-        if alone and self._outer_round_scheduled():
-            # the others left since it was matched in advance: hivemind's step would not use it, and the next one
-            # must not join a group formed for this one
-            self.scheduled_grads.cancel()
-        elif not alone and not self._outer_round_scheduled():
-            self.scheduled_grads = self._schedule_outer_round(0.0)  # not matched in advance (the first round)
+        peers = self.tracker.global_progress.num_peers
+        if peers > 1:
+            wait = max(self.wait, self.matchmaking_time)
+            if self.wait > 0:  # the group is complete, and starts at once, when it holds every trainer
+                self.grad_averager.set_target_group_size(peers)
+            self.scheduled_grads = self.grad_averager.schedule_step(
+                scheduled_time=get_dht_time() + wait, timeout=self.averaging_timeout
+            )
         self.own_pseudo_gradient = [p.grad for p in self.state_averager.main_parameters]
         try:
             self._update_global_epoch(None)

@@ -399,14 +399,14 @@ def test_8bit_codecs_decode_what_they_encode(kind):
     assert torch.equal(deserialize_torch_tensor(encoded), constant)
 
 
-def test_an_outer_round_is_matched_in_advance_and_a_failed_one_steps_on_the_peers_own_pseudo_gradient(tokenizer):
+def test_a_failed_outer_round_steps_on_the_peers_own_pseudo_gradient(tokenizer):
     # another peer reports progress, so the outer round looks for it, and never comes to the round, which fails: the
     # outer step takes this peer's own pseudo-gradient (hivemind's fallback gave it zeros: the model went back to
     # where its inner steps began)
     from sahajbert import hivemind_compat as compat
     from sahajbert.localswarm import wait_for
 
-    model, optimizer, dht = lonely_diloco(tokenizer, "diloco-failed-round", inner_steps=4, averaging_timeout=3.0)
+    model, optimizer, dht = lonely_diloco(tokenizer, "diloco-failed-round", averaging_timeout=3.0)
     absent = subprocess.Popen(
         [sys.executable, str(script("tests/absent_peer.py")), "diloco-failed-round", str(dht.get_visible_maddrs()[0])],
         stdin=subprocess.PIPE,
@@ -423,14 +423,10 @@ def test_an_outer_round_is_matched_in_advance_and_a_failed_one_steps_on_the_peer
             60,
             "the other peer's progress to be seen",
         )
-        assert not compat.position(optimizer).gradient_round_matching
-        train_one_batch(model, optimizer)
-        # one inner step left, which takes less than the matchmaking time: the round is being matched already
-        assert optimizer.inner_step == 3 and compat.position(optimizer).gradient_round_matching
         reached = [p.detach().clone() for p in model.parameters()]
-        train_one_batch(model, optimizer)  # the fourth inner step, then the outer round, which finds nobody
+        train_one_batch(model, optimizer)  # the third inner step, then the outer round, which finds nobody
         assert optimizer.local_epoch == 1
-        # the outer step went the way of the inner steps (the fourth moved the parameters on from `reached`, hence a
+        # the outer step went the way of the inner steps (the third moved the parameters on from `reached`, hence a
         # direction rather than values); with zeros it went nowhere: exactly back to the start
         moved = torch.cat([(now.detach() - begun).flatten() for begun, now in zip(start, model.parameters())])
         own = torch.cat([(r - begun).flatten() for begun, r in zip(start, reached)])

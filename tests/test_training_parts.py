@@ -152,14 +152,14 @@ def lonely_optimizer(tokenizer):
     dht.shutdown()
 
 
-def lonely_diloco(tokenizer, run_id: str, inner_steps: int = 3, dht=None, averaging_timeout: float | None = None):
-    """A DiLoCo optimizer alone in its swarm, from the trainer's factory, and its DHT (a new one unless given)."""
+def lonely_diloco(tokenizer, run_id: str, inner_steps: int = 3, averaging_timeout: float | None = None):
+    """A DiLoCo optimizer alone in its swarm, from the trainer's factory, and its DHT."""
     import hivemind
 
     from sahajbert.optim import build_collaborative_optimizer
 
     model = build_model("tiny", tokenizer, seed=0)
-    dht = dht or hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     peer_args = PeerArguments(
         swarm_args=SwarmArguments(run_id=run_id),
         averaging_args=AveragingArguments(matchmaking_time=1.0, averaging_timeout=averaging_timeout),

@@ -37,6 +37,7 @@ def main(argv=None) -> int:
     if swarm_args.reachability == "private":
         raise UserError("the first peer cannot run with --reachability private: every volunteer connects to it")
     from sahajbert.access import SwarmAccess, ensure_identity, read_allowlist
+    from sahajbert.hivemind_compat import drain_dht_calls
     from sahajbert.metrics import make_validators
     from sahajbert.signals import StopRequest, ignoring_signals
     from sahajbert.swarm import build_dht, initial_peers_line
@@ -66,6 +67,7 @@ def main(argv=None) -> int:
                 pass
     finally:
         with ignoring_signals():  # leaving takes a moment; a second Ctrl+C must not leave the p2p daemon behind
+            drain_dht_calls(dht)
             dht.shutdown()
     logger.info("first peer stopped")
     return 0

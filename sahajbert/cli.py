@@ -12,8 +12,11 @@ import difflib
 import enum
 import json
 import logging
+import multiprocessing
+import os
 import re
 import sys
+import threading
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -349,15 +352,44 @@ def _drop_closed_loop_finalizers(unraisable) -> None:
     sys.__unraisablehook__(unraisable)
 
 
+# seconds a script has to exit once its main() has ended: Python joins the threads and child processes left
+# (hivemind's processes are joined without a time limit), and a child stuck in its shutdown would keep a stopped peer
+# alive for good. Past this the children left are killed and the script exits at once, with the same exit code.
+EXIT_GRACE = 10.0
+
+
+def _exit_within(code: int, seconds: float) -> None:
+    def leave_now() -> None:
+        try:
+            left = multiprocessing.active_children()
+            logger.warning(
+                f"still exiting {seconds:.0f} s after the end: stopping {len(left)} process(es) left and leaving now"
+            )
+            for child in left:
+                child.kill()
+        except Exception:  # Python's own exit handler may be changing the list of children right now
+            pass
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    timer = threading.Timer(seconds, leave_now)
+    timer.daemon = True  # it runs while Python joins what is left, and never delays an exit itself
+    timer.start()
+
+
 def run(main: Callable[[], int | None]) -> None:
-    """Run a script's main(); a UserError or Ctrl+C ends it with one clear line and a non-zero exit code."""
+    """Run a script's main(); a UserError or Ctrl+C ends it with one clear line and a non-zero exit code. The script
+    exits within EXIT_GRACE seconds of main()'s end, whatever it left running."""
     sys.unraisablehook = _drop_closed_loop_finalizers
     try:
-        code = main()
+        code = main() or 0
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        code = 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr, flush=True)
-        sys.exit(130)
-    sys.exit(code or 0)
+        code = 130
+    if getattr(main, "__module__", None) == "__main__":  # a script's process ends here; a caller's (a test's) goes on
+        _exit_within(code, EXIT_GRACE)
+    sys.exit(code)

@@ -691,6 +691,31 @@ async def kept_alive(coroutine):
     return await task
 
 
+async def _answer(dht, node) -> None:
+    return None
+
+
+# seconds to wait for the DHT process to read the calls already sent to it, before shutting it down
+DRAIN_TIMEOUT = 10.0
+
+
+def drain_dht_calls(dht: hivemind.DHT, timeout: float = DRAIN_TIMEOUT) -> bool:
+    """Wait until the DHT process has read every call this process sent it; False if it did not answer in time.
+
+    A call made with `return_future=True` (hivemind's progress tracker ends with one, a last store that withdraws
+    this peer's progress) carries the end of a pipe, which the DHT process fetches from this process when it reads
+    the call; had this process exited by then, the DHT process fails with a traceback (EOFError in multiprocessing's
+    resource sharer), which a loaded machine makes likely. It reads calls in order: one answered means all earlier
+    ones were read."""
+    if not dht.is_alive():
+        return True
+    try:
+        dht.run_coroutine(_answer, return_future=True).result(timeout=timeout)
+        return True
+    except Exception:  # a timeout, or a DHT process that ended meanwhile: shutting it down is all that is left
+        return False
+
+
 # ---- invite-only runs (sahajbert.access) ----
 
 

@@ -291,4 +291,5 @@ class SwarmPeer:
             self.access.stop()
         if self.optimizer is not None:
             self.optimizer.shutdown()
+        compat.drain_dht_calls(self.dht)
         self.dht.shutdown()

@@ -374,6 +374,76 @@ def test_the_error_line_is_the_last_line_even_when_a_closed_loop_future_is_colle
     assert result.stderr.strip().splitlines()[-1] == "error: the organizer no longer admits you", result.stderr
 
 
+# a script whose main() ends while a child process that ignores SIGTERM is still running (Python's exit handler
+# terminates such a child and then joins it without a time limit)
+STUCK_CHILD_AT_EXIT = """
+import multiprocessing, signal, time
+from sahajbert import cli
+
+def stuck():
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print("child", flush=True)
+    time.sleep(600)
+
+def main():
+    child = multiprocessing.Process(target=stuck, daemon=True)
+    child.start()
+    time.sleep(1)
+    return 3
+
+cli.EXIT_GRACE = 2.0
+cli.run(main)
+"""
+
+
+def test_a_script_exits_soon_after_its_end_even_with_a_stuck_child():
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-c", STUCK_CHILD_AT_EXIT], capture_output=True, text=True, timeout=120, env=peer_env()
+    )
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert "still exiting 2 s after the end: stopping 1 process(es) left" in result.stderr, result.stderr
+    assert time.monotonic() - started < 100  # without the grace, it never ends: subprocess.run's timeout says so
+    assert result.stdout.strip() == "child"
+
+
+# a process that leaves at once after a DHT call in the background (the progress tracker's last store is one)
+LEAVES_AT_ONCE = """
+import os, sys
+import hivemind
+from hivemind.utils import get_dht_time
+from sahajbert.hivemind_compat import drain_dht_calls
+
+dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+dht.store("leaving", "goodbye", get_dht_time() + 30, return_future=True)
+print("drained", drain_dht_calls(dht), flush=True)
+sys.stderr.flush()
+os._exit(0)  # no shutdown, no atexit: the DHT process is on its own from here
+"""
+
+
+@pytest.mark.slow
+def test_the_dht_process_reads_every_call_before_its_peer_leaves(tmp_path):
+    """Without the drain, the DHT process reads the store after this process is gone and fails with a traceback (the
+    store's reply pipe is fetched from this process): 2 of 2 runs here."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", LEAVES_AT_ONCE],
+        stdout=subprocess.PIPE,
+        stderr=open(tmp_path / "stderr", "w"),
+        text=True,
+        env=peer_env(),
+        start_new_session=True,  # the DHT process and its p2pd outlive the script: one group to end them with
+    )
+    try:
+        assert process.stdout.readline().strip() == "drained True"
+        assert process.wait(60) == 0
+        time.sleep(3)  # the DHT process, left alone, has long read its pipe by now
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    assert "Traceback" not in (tmp_path / "stderr").read_text(), (tmp_path / "stderr").read_text()
+
+
 @pytest.mark.slow
 def test_a_trainer_run_is_quiet(tmp_path):
     """A first peer and a tiny trainer to a few steps, with default logging: one line per event."""

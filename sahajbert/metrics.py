@@ -19,6 +19,13 @@ class LocalMetrics(pydantic.BaseModel):
     mini_steps: pydantic.conint(ge=0, strict=True)
 
 
+class StartRecord(pydantic.BaseModel):
+    """What a trainer of a new run starts from: its peer id and a digest of its initial parameters."""
+
+    peer_id: pydantic.constr(strict=True, max_length=128)  # base58, as hivemind's state declarations name peers
+    parameters: pydantic.constr(strict=True, regex=r"^[0-9a-f]{32}$")  # see trainer.parameters_digest
+
+
 class MetricSchema(pydantic.BaseModel):
     # the subkey must hold the writer's public key: RSASignatureValidator then lets only its owner write it
     metrics: dict[BytesWithPublicKey, LocalMetrics]
@@ -27,6 +34,9 @@ class MetricSchema(pydantic.BaseModel):
     state: dict[BytesWithPublicKey, pydantic.conint(ge=0, strict=True)]
     # an invite-only run's access tokens (sahajbert.access): averagers admit the peers these name
     members: dict[BytesWithPublicKey, pydantic.StrictBytes]
+    # each trainer's initial parameters at step 0: a trainer of a new run skips the download of the first trainer's
+    # parameters when they are its own (the same --seed)
+    start: dict[BytesWithPublicKey, StartRecord]
 
 
 def metrics_key(run_id: str) -> str:
@@ -59,6 +69,35 @@ def announce_state(dht: hivemind.DHT, run_id: str, public_key: bytes, step: int,
         expiration_time=get_dht_time() + expiration,
         return_future=True,
     )
+
+
+def declare_start(
+    dht: hivemind.DHT, run_id: str, public_key: bytes, peer_id: str, digest: str, expiration: float = 3600.0
+) -> bool:
+    """Tell the run's other trainers which initial parameters this one starts from (blocking; False if not stored)."""
+    return bool(
+        dht.store(
+            key=f"{run_id}_start",
+            subkey=public_key,
+            value=StartRecord(peer_id=peer_id, parameters=digest).dict(),
+            expiration_time=get_dht_time() + expiration,
+        )
+    )
+
+
+def fetch_starts(dht: hivemind.DHT, run_id: str) -> dict[str, str]:
+    """Each declaring trainer's initial-parameter digest, by its peer id (base58)."""
+    entry = dht.get(f"{run_id}_start", latest=True)
+    if entry is None or not isinstance(entry.value, dict):
+        return {}
+    starts = {}
+    for item in entry.value.values():
+        try:
+            record = StartRecord.parse_obj(item.value)
+        except pydantic.ValidationError:
+            continue
+        starts[record.peer_id] = record.parameters
+    return starts
 
 
 def fetch_announced_step(dht: hivemind.DHT, run_id: str) -> int:

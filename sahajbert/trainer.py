@@ -79,6 +79,14 @@ def peer_seed(run_seed: int, public_key: bytes) -> int:
     return (run_seed * 1_000_003 + int.from_bytes(hashlib.sha256(public_key).digest()[:4], "little")) % 2**31
 
 
+def parameters_digest(parameters: list[torch.Tensor]) -> str:
+    """A digest of parameters' exact values (fp32 bytes, in order): equal digests, equal starting points."""
+    digest = hashlib.sha256()
+    for tensor in parameters:
+        digest.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
 def start_priority(unix_time: float) -> float:
     """A state priority in (0, 0.5] at step 0 that is higher the earlier a peer started (hivemind sets the
     priority to the global step at every step after it, so it only orders peers of a new run). 2^24 s cycle:
@@ -465,13 +473,26 @@ class TrainerPeer(SwarmPeer):
 
     def _start_from_first_peer(self) -> None:
         """A new run: every trainer starts from the parameters of the one that started first (the highest state
-        priority at step 0), so that trainers with different --seed values train one model, not two."""
+        priority at step 0), so that trainers with different --seed values train one model, not two. A trainer
+        whose own parameters are the first one's (the same --seed, the default) has nothing to download: at the
+        real model sizes that download takes minutes on a volunteer's link (56.9 MB for sahajBERT's preset)."""
+        run_id = self.args.swarm_args.run_id
+        own_digest = parameters_digest(compat.master_parameters(self.optimizer))
+        if not metrics.declare_start(self.dht, run_id, self.public_key, self.dht.peer_id.to_base58(), own_digest):
+            logger.warning("could not declare this trainer's initial parameters: trainers after it will download them")
         # the others' declarations reach the DHT within a few round trips of their start
         round_trip = self.link.round_trip_s if self.link is not None else adaptive.FALLBACK_LINK.round_trip_s
         time.sleep(max(2.0, 10 * round_trip))
         own = compat.own_state_priority(self.optimizer)
-        earlier = [p for p in compat.state_priorities(self.optimizer).values() if own < p < 1.0]
+        earlier = {peer: p for peer, p in compat.state_priorities(self.optimizer).items() if own < p < 1.0}
         if not earlier:
+            return
+        first = max(earlier, key=earlier.get)
+        if metrics.fetch_starts(self.dht, run_id).get(first.to_base58()) == own_digest:
+            logger.info(
+                "the run is at step 0 and another trainer started first, from the same parameters as this one: "
+                "nothing to download"
+            )
             return
         logger.info("the run is at step 0 and another trainer started first: starting from its parameters")
         if self._download_state():

@@ -46,7 +46,11 @@ def test_two_trainers_make_global_steps_and_agree(tmp_path, swarm):
     # a 30 s final window: on a busy 2-core machine one trainer can reach --max_steps more
     # than the tiny preset's 10 s after the other (a fresh-clone CI run: its final round found nobody)
     flags += ["--final_averaging_window", "30"]
-    peers = [trainer(tmp_path, f"t{i}", run_id, initial_peers, "--max_steps", "5", *flags) for i in range(2)]
+    # two seeds, so two initial models: the trainer that starts second downloads the first one's parameters
+    peers = [
+        trainer(tmp_path, f"t{i}", run_id, initial_peers, "--max_steps", "5", "--seed", str(i + 1), *flags)
+        for i in range(2)
+    ]
     try:
         for peer in peers:
             assert peer.wait(300) == 0, peer.output()[-3000:]
@@ -56,6 +60,7 @@ def test_two_trainers_make_global_steps_and_agree(tmp_path, swarm):
     # the trainers that stop together average their parameters once more
     outputs = [peer.output() for peer in peers]
     assert any("final parameters averaged by 2 peers" in out for out in outputs), outputs[0][-3000:]
+    assert sum("downloaded the first trainer's parameters" in out for out in outputs) == 1, outputs[0][-3000:]
     logs = [train_log(tmp_path / f"t{i}") for i in range(2)]
     for log in logs:
         assert max(r.peers for r in log) == 2, "both trainers must be counted in the same global steps"
@@ -82,6 +87,8 @@ def test_collaboration_does_not_change_what_is_learned(tmp_path, swarm):
     finally:
         for peer in pair:
             peer.stop()
+    # one seed, one initial model: the trainer that starts second has nothing to download
+    assert not any("starting from its parameters" in peer.output() for peer in pair), pair[1].output()[-3000:]
     solo = trainer(tmp_path, "solo", run_id + "_solo", initial_peers, *common, "--per_device_train_batch_size", "16")
     try:
         assert solo.wait(400) == 0, solo.output()[-3000:]

@@ -7,9 +7,11 @@ from sahajbert.checkpoints import list_checkpoints
 from sahajbert.cli import parse_args
 from sahajbert.compute import Compute, LocalCompute
 from sahajbert.localswarm import tiny_trainer_flags
+from sahajbert.model import build_model
 from sahajbert.signals import StopRequest
+from sahajbert.tokenization import load_tokenizer
 from sahajbert.train_log import StepRecord, read_train_log
-from sahajbert.trainer import TrainerPeer
+from sahajbert.trainer import TrainerPeer, parameters_digest
 
 
 def test_a_lone_trainer_makes_its_global_steps_logs_and_saves_them(tmp_path):
@@ -49,3 +51,16 @@ def test_local_clipping_bounds_each_pass_before_it_is_handed_to_the_swarm(tmp_pa
             grads = [p.grad for p in peer.model.parameters() if p.grad is not None]
             norms[mode] = torch.sqrt(sum(g.pow(2).sum() for g in grads)).item()
     assert norms["local"] <= 0.05 + 1e-6 < norms["averaged"], norms
+
+
+def test_the_initial_parameters_digest_tells_one_seed_from_another():
+    """Two trainers of a new run with one --seed start from the same parameters (nothing to download); another seed,
+    or one changed value, gives another digest."""
+    tokenizer = load_tokenizer("sample")
+    digests = [parameters_digest(list(build_model("tiny", tokenizer, seed).parameters())) for seed in (42, 42, 7)]
+    assert digests[0] == digests[1] != digests[2]
+    assert len(digests[0]) == 32 and int(digests[0], 16) >= 0
+    parameters = list(build_model("tiny", tokenizer, 42).parameters())
+    with torch.no_grad():
+        parameters[-1].view(-1)[0] += 1e-6
+    assert parameters_digest(parameters) != digests[0]

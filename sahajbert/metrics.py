@@ -87,17 +87,8 @@ def declare_start(
 
 def fetch_starts(dht: hivemind.DHT, run_id: str) -> dict[str, str]:
     """Each declaring trainer's initial-parameter digest, by its peer id (base58)."""
-    entry = dht.get(f"{run_id}_start", latest=True)
-    if entry is None or not isinstance(entry.value, dict):
-        return {}
-    starts = {}
-    for item in entry.value.values():
-        try:
-            record = StartRecord.parse_obj(item.value)
-        except pydantic.ValidationError:
-            continue
-        starts[record.peer_id] = record.parameters
-    return starts
+    records = _valid_records(dht, f"{run_id}_start", StartRecord)
+    return {record.peer_id: record.parameters for record in records.values()}
 
 
 def fetch_announced_step(dht: hivemind.DHT, run_id: str) -> int:
@@ -108,18 +99,23 @@ def fetch_announced_step(dht: hivemind.DHT, run_id: str) -> int:
     return max((item.value for item in entry.value.values() if isinstance(item.value, int)), default=0)
 
 
-def fetch(dht: hivemind.DHT, run_id: str) -> dict[bytes, LocalMetrics]:
-    """All current, validated records of the run, keyed by the writer's public key."""
-    entry = dht.get(metrics_key(run_id), latest=True)
+def _valid_records(dht: hivemind.DHT, key: str, model: type[pydantic.BaseModel]) -> dict[bytes, pydantic.BaseModel]:
+    """A key's current records that parse as `model`, keyed by the writer's public key."""
+    entry = dht.get(key, latest=True)
     if entry is None or not isinstance(entry.value, dict):
         return {}
     records = {}
     for subkey, item in entry.value.items():
         try:
-            records[subkey] = LocalMetrics.parse_obj(item.value)
+            records[subkey] = model.parse_obj(item.value)
         except pydantic.ValidationError:
             continue  # the DHT validates on store; this only guards against a peer with other software
     return records
+
+
+def fetch(dht: hivemind.DHT, run_id: str) -> dict[bytes, LocalMetrics]:
+    """All current, validated records of the run, keyed by the writer's public key."""
+    return _valid_records(dht, metrics_key(run_id), LocalMetrics)
 
 
 @dataclass(frozen=True)

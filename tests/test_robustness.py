@@ -17,7 +17,7 @@ from sahajbert.localswarm import PeerProcess, wait_for
 from sahajbert.model import load_model
 from sahajbert.train_log import read_train_log as train_log
 
-from .swarm_helpers import TINY_TRAINING, first_peer, script, start_peer, swarm_loss
+from .swarm_helpers import TINY_TRAINING, first_peer, last_step, script, start_peer, swarm_loss
 
 pytestmark = pytest.mark.slow
 
@@ -62,11 +62,6 @@ def wait_all(peers: list[PeerProcess], timeout: float) -> None:
     finally:
         for peer in peers:
             peer.stop()
-
-
-def latest_step(output_dir) -> int:
-    """The last global step a running trainer recorded (0 before its first)."""
-    return max((record.step for record in train_log(output_dir)), default=0)
 
 
 def weights(output_dir):
@@ -170,9 +165,9 @@ def test_a_misbehaving_peer_cannot_poison_the_run(tmp_path):
             started += run
             attacks = run_the_attacks(phase_file, bad, run, attacker_id)
             # liveness after the attacks: both honest trainers make further global steps
-            end_step = max(STEPS, max(latest_step(d) for d in honest_dirs) + AFTER_ATTACKS)
+            end_step = max(STEPS, max(last_step(d) for d in honest_dirs) + AFTER_ATTACKS)
             wait_for(
-                lambda: all(latest_step(d) >= end_step for d in honest_dirs) or not all(p.running() for p in run),
+                lambda: all(last_step(d) >= end_step for d in honest_dirs) or not all(p.running() for p in run),
                 300,
                 f"both honest trainers to reach global step {end_step}",
             )

@@ -426,21 +426,22 @@ os._exit(0)  # no shutdown, no atexit: the DHT process is on its own from here
 def test_the_dht_process_reads_every_call_before_its_peer_leaves(tmp_path):
     """Without the drain, the DHT process reads the store after this process is gone and fails with a traceback (the
     store's reply pipe is fetched from this process): 2 of 2 runs here."""
-    process = subprocess.Popen(
-        [sys.executable, "-c", LEAVES_AT_ONCE],
-        stdout=subprocess.PIPE,
-        stderr=open(tmp_path / "stderr", "w"),
-        text=True,
-        env=peer_env(),
-        start_new_session=True,  # the DHT process and its p2pd outlive the script: one group to end them with
-    )
-    try:
-        assert process.stdout.readline().strip() == "drained True"
-        assert process.wait(60) == 0
-        time.sleep(3)  # the DHT process, left alone, has long read its pipe by now
-    finally:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+    with open(tmp_path / "stderr", "w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-c", LEAVES_AT_ONCE],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=peer_env(),
+            start_new_session=True,  # the DHT process and its p2pd outlive the script: one group to end them with
+        )
+        try:
+            assert process.stdout.readline().strip() == "drained True"
+            assert process.wait(60) == 0
+            time.sleep(3)  # the DHT process, left alone, has long read its pipe by now
+        finally:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
     assert "Traceback" not in (tmp_path / "stderr").read_text(), (tmp_path / "stderr").read_text()
 
 

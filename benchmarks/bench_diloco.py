@@ -26,24 +26,36 @@ BATCH = 8  # samples per pass (tiny_trainer_flags' --per_device_train_batch_size
 FAR = 1_000_000  # --total_steps: a schedule that stays at its peak over the run
 
 
-def run_mode(args, inner_steps: int, work: Path) -> dict:
+Mode = tuple[int, bool]  # (H: 0 is data parallelism, --diloco_overlap)
+
+
+def mode_name(mode: Mode) -> str:
+    inner_steps, overlap = mode
+    if inner_steps == 0:
+        return "data parallel"
+    return f"DiLoCo H={inner_steps}" + (", overlapped" if overlap else "")
+
+
+def run_mode(args, mode: Mode, work: Path) -> dict:
     """One netswarm run; its JSON result. DiLoCo's --max_steps: outer steps to reach --samples with every trainer's
     H passes of BATCH samples."""
+    inner_steps, overlap = mode
     per_step = args.target_batch_size if inner_steps == 0 else args.trainers * inner_steps * BATCH
     steps = math.ceil(args.samples / per_step)
-    output = work / f"h{inner_steps}.json"
+    output = work / f"h{inner_steps}{'o' if overlap else ''}.json"
     command = [sys.executable, str(ROOT / "benchmarks" / "netswarm.py"), "--profile", args.profile]
     command += ["--trainers", str(args.trainers), "--max_steps", str(steps), "--model", args.model]
     command += ["--target_batch_size", str(args.target_batch_size), "--total_steps", str(FAR)]
     command += ["--timeout", str(args.timeout), "--output_json", str(output)]
     if inner_steps:
         command += ["--diloco_inner_steps", str(inner_steps), "--learning_rate", str(args.inner_lr)]
+        command += ["--diloco_overlap"] if overlap else []
     else:
         command += ["--learning_rate", str(args.dp_lr)]
     print("running:", " ".join(command[1:]), flush=True)
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"netswarm failed for H={inner_steps}: {done.stderr.strip()[-2000:]}")
+        raise RuntimeError(f"netswarm failed for {mode_name(mode)}: {done.stderr.strip()[-2000:]}")
     return json.loads(output.read_text())
 
 
@@ -58,7 +70,7 @@ def tail_loss(curve: list[dict], samples: int) -> float:
     return sum(loss * w for loss, w in points) / weight if weight else float("nan")
 
 
-def svg_plot(results: dict[int, dict], path: Path) -> None:
+def svg_plot(results: dict[Mode, dict], path: Path) -> None:
     """The loss curves against samples trained, as a self-contained SVG (no plotting library needed)."""
     width, height, margin = 640, 400, 50
     points = [p for r in results.values() for p in r["curve"]]
@@ -80,14 +92,14 @@ def svg_plot(results: dict[int, dict], path: Path) -> None:
         f'<text x="15" y="{height / 2}" transform="rotate(-90 15 {height / 2})" text-anchor="middle">'
         f"loss ({low:.2f} to {high:.2f})</text>",
     ]
-    for index, (inner_steps, result) in enumerate(sorted(results.items())):
+    for index, (mode, result) in enumerate(sorted(results.items())):
         colour = colours[index % len(colours)]
-        label = "data parallel" if inner_steps == 0 else f"DiLoCo H={inner_steps}"
+        label = mode_name(mode)
         lines.append(
             f'<polyline fill="none" stroke="{colour}" stroke-width="2" '
             f'points="{" ".join(xy(p) for p in result["curve"])}"/>'
         )
-        lines.append(f'<text x="{width - margin - 110}" y="{margin + 16 * index}" fill="{colour}">{label}</text>')
+        lines.append(f'<text x="{width - margin - 170}" y="{margin + 16 * index}" fill="{colour}">{label}</text>')
     path.write_text("\n".join([*lines, "</svg>"]) + "\n")
 
 
@@ -99,22 +111,30 @@ def main(argv=None) -> int:
     parser.add_argument("--samples", type=int, default=12288, help="samples every mode trains (the swarm's)")
     parser.add_argument("--target_batch_size", type=int, default=384, help="data parallelism's global batch")
     parser.add_argument("--inner_steps", type=int, nargs="+", default=[10, 50, 200], help="DiLoCo's H values")
+    parser.add_argument(
+        "--overlap",
+        choices=["off", "on", "both"],
+        default="off",
+        help="DiLoCo's --diloco_overlap: off, on, or both (every H run twice)",
+    )
     parser.add_argument("--dp_lr", type=float, default=0.1, help="data parallelism's LAMB learning rate")
     parser.add_argument("--inner_lr", type=float, default=0.01, help="DiLoCo's inner LAMB learning rate")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per netswarm run")
     parser.add_argument("--output_json", default=None, help="also write every mode's netswarm result here")
     parser.add_argument("--plot", default=None, help="write the loss curves as an SVG image here")
     args = parser.parse_args(argv)
-    results: dict[int, dict] = {}
+    overlaps = {"off": [False], "on": [True], "both": [False, True]}[args.overlap]
+    modes = [(0, False), *[(h, overlap) for h in args.inner_steps for overlap in overlaps]]
+    results: dict[Mode, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench-diloco-") as tmp:
         try:
-            for inner_steps in [0, *args.inner_steps]:
-                results[inner_steps] = run_mode(args, inner_steps, Path(tmp))
+            for mode in modes:
+                results[mode] = run_mode(args, mode, Path(tmp))
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
     common = min(r["curve"][-1]["samples"] for r in results.values())
-    dp = results[0]
+    dp = results[(0, False)]
     dp_loss = tail_loss(dp["curve"], common)
     print(f"\n    sudo python benchmarks/bench_diloco.py {' '.join(argv if argv is not None else sys.argv[1:])}\n")
     print(
@@ -126,25 +146,25 @@ def main(argv=None) -> int:
         "loss | vs data parallel | parameters agree |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---|")
-    for inner_steps, result in sorted(results.items()):
+    for mode, result in sorted(results.items()):
         loss = tail_loss(result["curve"], common)
-        name = "data parallel (DPU, fp16)" if inner_steps == 0 else f"DiLoCo H={inner_steps} (int8)"
+        name = mode_name(mode) + (" (DPU, fp16)" if mode[0] == 0 else " (int8)")
         reduction = dp["bytes_per_sample"] / max(1e-9, result["bytes_per_sample"])
         print(
             f"| {name} | {result['global_steps']} | {result['bytes_per_sample']:,.0f} | "
-            f"{'1x' if inner_steps == 0 else f'{reduction:,.0f}x less'} | {result['compute_utilization']:.1%} | "
+            f"{'1x' if mode[0] == 0 else f'{reduction:,.0f}x less'} | {result['compute_utilization']:.1%} | "
             f"{loss:.3f} | {loss / dp_loss - 1:+.1%} | {'yes' if result['parameters_agree'] else 'NO'} |"
         )
     print("\ncurves (samples: loss):")
-    for inner_steps, result in sorted(results.items()):
-        name = "data parallel" if inner_steps == 0 else f"H={inner_steps}"
+    for mode, result in sorted(results.items()):
+        name = mode_name(mode)
         points = ", ".join(f"{p['samples']}: {p['loss']:.3f}" for p in result["curve"])
         print(f"  {name}: {points}")
     if args.plot:
         svg_plot(results, Path(args.plot))
         print(f"\nplot: {args.plot}")
     if args.output_json:
-        Path(args.output_json).write_text(json.dumps({str(k): v for k, v in results.items()}, indent=2))
+        Path(args.output_json).write_text(json.dumps({mode_name(k): v for k, v in results.items()}, indent=2))
     return 0
 
 

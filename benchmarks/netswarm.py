@@ -299,6 +299,8 @@ def trainer_args(args, run_id: str, initial_peers: list[str], ip: str, output_di
             flags += [f"--{name}", str(getattr(args, name))]
     if args.diloco_inner_steps:  # an outer step after every trainer's H inner steps (int8 pseudo-gradients)
         flags += ["--diloco_inner_steps", str(args.diloco_inner_steps)]
+        if args.diloco_overlap:  # the round averages behind the next inner steps
+            flags += ["--diloco_overlap"]
     return flags + (["--client_mode"] if client else [])
 
 
@@ -630,6 +632,7 @@ def summarize(args, workdir: Path, trainers: dict, kills: list[float], sent_byte
         "max_parameter_difference": difference,
         "parameters_agree": agree,
         "diloco_inner_steps": args.diloco_inner_steps,
+        "diloco_overlap": args.diloco_overlap,
         # the swarm's loss by the samples it had trained: each global step's mean loss over its peers' passes
         "curve": loss_curve(records),
     }
@@ -769,6 +772,9 @@ def main(argv=None) -> int:
         type=int,
         default=0,
         help="DiLoCo: inner steps per outer step (0: synchronous data parallelism, the default)",
+    )
+    parser.add_argument(
+        "--diloco_overlap", action="store_true", help="DiLoCo: every trainer's --diloco_overlap (background rounds)"
     )
     parser.add_argument("--learning_rate", type=float, default=None, help="every trainer's --learning_rate")
     parser.add_argument("--total_steps", type=int, default=None, help="every trainer's --total_steps (schedule)")

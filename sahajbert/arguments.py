@@ -398,6 +398,15 @@ class CollaborativeOptimizerArguments:
             "choices": ["none", "fp16", "8bit"],
         },
     )
+    diloco_overlap: bool = field(
+        default=False,
+        metadata={
+            "help": "DiLoCo: average the pseudo-gradients in the background while the next inner steps run, and "
+            "add the outer step to the parameters when the round ends, keeping the inner progress made meanwhile "
+            "(a one-round delay, as Streaming DiLoCo's overlap): the round's time is hidden behind compute, at the "
+            "cost of an outer step one round stale. Off: every trainer waits for its round after its inner steps."
+        },
+    )
     diloco_wait: float = field(
         default=60.0,
         metadata={
@@ -436,6 +445,8 @@ class CollaborativeOptimizerArguments:
             raise ValueError(f"--diloco_inner_steps must be >= 0 (0: off), got {self.diloco_inner_steps}")
         if self.diloco_inner_steps and self.use_local_updates:
             raise ValueError("--diloco_inner_steps and --use_local_updates are two different modes: choose one")
+        if self.diloco_overlap and not self.diloco_inner_steps:
+            raise ValueError("--diloco_overlap overlaps DiLoCo's outer rounds: it needs --diloco_inner_steps")
         if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1 or self.diloco_wait < 0:
             raise ValueError(
                 f"DiLoCo needs --outer_lr > 0, 0 <= --outer_momentum < 1 and --diloco_wait >= 0; got "

@@ -407,8 +407,9 @@ def step_would_be_global(optimizer: hivemind.Optimizer, batch_size: int) -> bool
     batch to `global_progress.samples_accumulated`, then checks `tracker.ready_to_update_epoch`.)"""
     tracker = optimizer.tracker
     progress = tracker.global_progress
-    if isinstance(optimizer, DiLoCoOptimizer):  # its outer step comes with its H-th inner step
-        return tracker.global_epoch > optimizer.local_epoch or optimizer.inner_step + 1 >= optimizer.inner_steps
+    if isinstance(optimizer, DiLoCoOptimizer):  # its outer round starts with its H-th inner step
+        behind = tracker.global_epoch > optimizer.local_epoch and not optimizer.round_in_flight
+        return behind or optimizer.inner_step + 1 >= optimizer.inner_steps
     return (
         tracker.global_epoch > tracker.local_progress.epoch
         or progress.samples_accumulated + batch_size >= tracker.target_batch_size
@@ -546,16 +547,21 @@ def prefer_as_state_donor(optimizer: hivemind.Optimizer) -> None:
 
 
 def has_pending_updates(optimizer: hivemind.Optimizer) -> bool:
-    """A background optimizer step or averaging round has not been applied yet (`state_averager.pending_updates`)."""
-    return bool(optimizer.state_averager.pending_updates)
+    """A background optimizer step or averaging round has not been applied yet (`state_averager.pending_updates`;
+    DiLoCo with overlap: an outer round in flight)."""
+    in_flight = isinstance(optimizer, DiLoCoOptimizer) and optimizer.round_in_flight
+    return in_flight or bool(optimizer.state_averager.pending_updates)
 
 
-def apply_pending_updates(optimizer: hivemind.Optimizer, timeout: float) -> bool:
+def apply_pending_updates(optimizer: hivemind.Optimizer, timeout: float, outer_round: bool = True) -> bool:
     """Wait for every background update and apply it to the parameters; False if one still runs after `timeout` s.
+    `outer_round`: DiLoCo with overlap: also the outer round in flight (False: it lands at a later inner step).
 
     `state_averager.step(wait_for_delayed_updates=True)` waits for each update at most the all-reduce timeout and
     then leaves it running, so it is called again until `pending_updates` is empty or the time is up.
     """
+    if outer_round and isinstance(optimizer, DiLoCoOptimizer):
+        optimizer.finish_outer_round(timeout)
     averager = optimizer.state_averager
     deadline = time.monotonic() + timeout
     averager.step(wait_for_delayed_updates=True)
@@ -1228,6 +1234,19 @@ class GuardedStateAverager(GuardedAverager, TrainingStateAverager):
     _hivemind_class = TrainingStateAverager
     pair_factor = robust.PARAMETER_PAIR_FACTOR
     state_step_ceiling: int | None = None  # the highest step a downloaded state may have (set by GuardedOptimizer)
+    # DiLoCo with overlap: the model's parameters when its outer round was sent; set while that round's outer step is
+    # applied, so that the model keeps the inner progress it made since (see DiLoCoOptimizer)
+    progress_since: list[torch.Tensor] | None = None
+
+    @torch.no_grad()
+    def _apply_optimizer_parameters_(self):
+        """hivemind copies the outer (offloaded) parameters into the model; with `progress_since`, the model moves
+        by as much as the outer step moved them from where the round was sent: new outer + (model - sent)."""
+        if self.progress_since is None:
+            return super()._apply_optimizer_parameters_()
+        offloaded = [param for group in self.optimizer.param_groups for param in group["params"]]
+        for model_param, outer_param, sent in zip(self.main_parameters, offloaded, self.progress_since, strict=True):
+            model_param.add_(outer_param.to(model_param.device) - sent)
 
     def state_template(self) -> robust.StateTemplate:
         """This peer's own state as it would serve it (`get_current_state`), for checking a downloaded one."""
@@ -1361,19 +1380,42 @@ class DiLoCoOptimizer(GuardedOptimizer):
     outer state as `extra_tensors`, so a newcomer downloads both. A trainer that missed an outer round (the swarm's
     step is past its own) downloads the swarm's state at its next step, as hivemind's peers do.
 
+    With `overlap`, the round runs in the background (in the gradient averager's process) while the next inner
+    steps run from where this peer's inner steps ended; when it ends (at the first inner step after, at the latest
+    at the next H-th), the outer step is made as above, and the model moves by as much as it moved the outer
+    parameters from where the round was sent (`GuardedStateAverager.progress_since`): it keeps its inner progress,
+    and its next pseudo-gradient is that progress alone. This is Streaming DiLoCo's overlap with a delay of one
+    round (Douillard et al. 2025; Kale et al. 2025 call it the naive delayed update): a round costs no compute time
+    as long as it ends within H inner steps, and each outer step arrives one round late.
+
     `inner_optimizer`: a factory over the parameter groups; `inner_lr(step)`: its learning rate at an inner step,
     counted over the run (global step x H + the inner steps since); `wait`: seconds a peer that made its H steps
     waits for every other trainer to make theirs (its round starts as soon as the group holds all of them), 0: the
-    peers that are ready go on within the matchmaking time.
+    peers that are ready go on within the matchmaking time; `last_step`: the run's last global step (--max_steps;
+    None: none), at which no outer round starts (with overlap, the inner steps made after the last round stay in the
+    model for the final parameter round).
     """
 
-    def __init__(self, *, inner_optimizer, inner_lr: Callable[[int], float], inner_steps: int, wait: float, **kwargs):
+    def __init__(
+        self,
+        *,
+        inner_optimizer,
+        inner_lr: Callable[[int], float],
+        inner_steps: int,
+        wait: float,
+        overlap: bool = False,
+        last_step: int | None = None,
+        **kwargs,
+    ):
         # copies: a torch optimizer writes its settings into the groups it is given, and the outer one gets them too
         self.inner = inner_optimizer([dict(group) for group in kwargs["params"]])
-        self.inner_lr, self.inner_steps, self.wait = inner_lr, inner_steps, wait
+        self.inner_lr, self.inner_steps, self.wait, self.overlap = inner_lr, inner_steps, wait, overlap
+        self.last_step = last_step
         self.inner_step = 0  # inner steps since the last outer step
         self.round_samples = 0  # samples behind them
         self.own_pseudo_gradient: list[torch.Tensor] | None = None  # during an outer step: this peer's, for a failure
+        self.sent_parameters: list[torch.Tensor] | None = None  # with overlap: the model's when its round was sent
+        self._round_begun = False  # with overlap: the round awaited now was begun at the end of the inner steps
         extras = tuple(self._initialize_inner_state())
         kwargs.update(
             extra_tensors=extras,
@@ -1409,7 +1451,8 @@ class DiLoCoOptimizer(GuardedOptimizer):
         if grad_scaler is not None:
             raise ValueError("DiLoCo steps the inner optimizer itself: it takes no fp16 gradient scaler")
         batch_size = batch_size if batch_size is not None else self.batch_size_per_step
-        if self._should_load_state_from_peers():
+        # while a round runs in the background, the swarm may be a step ahead: that round brings this peer there
+        if not self.round_in_flight and self._should_load_state_from_peers():
             logger.log(self.status_loglevel, "Peer is out of sync")
             self.load_state_from_peers()
             return None  # these gradients came from parameters the swarm has moved past
@@ -1419,12 +1462,21 @@ class DiLoCoOptimizer(GuardedOptimizer):
         self.inner_step += 1
         self.round_samples += batch_size
         self.tracker.report_local_progress(self.local_epoch, self.round_samples)
+        if self.round_in_flight and (self.scheduled_grads.done() or self.inner_step >= self.inner_steps):
+            self.finish_outer_round()  # it ended, or the next pseudo-gradient needs its outer step: wait for it
         if self.inner_step >= self.inner_steps:
             self._outer_step()
         return None
 
+    @property
+    def round_in_flight(self) -> bool:
+        """With overlap: an outer round runs in the background, its outer step not yet made."""
+        return self.sent_parameters is not None
+
     @torch.no_grad()
     def _outer_step(self) -> None:
+        if self.last_step is not None and self.local_epoch >= self.last_step:
+            return  # the run has ended: the trainer stops at this step
         outer = [p for group in self.state_averager.optimizer.param_groups for p in group["params"]]
         for model_param, outer_param in zip(self.state_averager.main_parameters, outer):
             model_param.grad = outer_param.to(model_param.device) - model_param
@@ -1439,12 +1491,42 @@ class DiLoCoOptimizer(GuardedOptimizer):
                 scheduled_time=get_dht_time() + wait, timeout=self.averaging_timeout
             )
         self.own_pseudo_gradient = [p.grad for p in self.state_averager.main_parameters]
+        self.inner_step = self.round_samples = 0
+        # alone, there is no round to overlap: the outer step is made now
+        if self.overlap and peers > 1 and super()._begin_averaging_gradients(None):
+            self.sent_parameters = [p.detach().clone() for p in self.state_averager.main_parameters]
+            self._round_begun = True
+            logger.log(self.status_loglevel, "Outer round sent: the next inner steps run while it averages")
+        else:
+            try:
+                self._update_global_epoch(None)
+            finally:
+                self.own_pseudo_gradient = None
+        self.zero_grad(set_to_none=True)
+
+    def finish_outer_round(self, timeout: float | None = None) -> None:
+        """With overlap: wait for the round in flight (at most `timeout` seconds, then it is cancelled; None: the
+        averaging timeout), make its outer step (on this peer's own pseudo-gradient if the round failed) and move
+        the model by as much, keeping the inner progress made since the round was sent."""
+        if not self.round_in_flight:
+            return
+        if timeout is not None:
+            try:
+                self.scheduled_grads.result(timeout)
+            except BaseException:  # failed or still running: hivemind's fallback below takes the own pseudo-gradient
+                if not self.scheduled_grads.done():
+                    self.scheduled_grads.cancel()
+        logger.log(self.status_loglevel, f"Outer round awaited after {self.inner_step} inner step(s) behind it")
+        self.state_averager.progress_since = self.sent_parameters
         try:
             self._update_global_epoch(None)
         finally:
-            self.own_pseudo_gradient = None
-        self.inner_step = self.round_samples = 0
-        self.zero_grad(set_to_none=True)
+            self.state_averager.progress_since = self.sent_parameters = self.own_pseudo_gradient = None
+            self._round_begun = False
+
+    def _begin_averaging_gradients(self, grad_scaler) -> bool:
+        # with overlap the round was begun when it was sent (`_outer_step`); `_update_global_epoch` only awaits it
+        return True if self._round_begun else super()._begin_averaging_gradients(grad_scaler)
 
     @torch.no_grad()
     def _load_local_gradients_into_optimizer(self):
@@ -1460,6 +1542,7 @@ class DiLoCoOptimizer(GuardedOptimizer):
         self._load_averaged_gradients_into_optimizer_()
 
     def load_state_from_peers(self, **kwargs):
+        self.finish_outer_round()  # its result lands in the tensors the download replaces
         super().load_state_from_peers(**kwargs)
         self.inner_step = self.round_samples = 0  # the model is the swarm's outer parameters: a new round
 

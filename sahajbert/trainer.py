@@ -416,7 +416,7 @@ class TrainerPeer(SwarmPeer):
         self.result.final_step = self.optimizer.local_epoch
         # always written again at the end: a background round may have changed the parameters after the last save
         if self.result.steps or averaged_at_end:
-            self._save(self.result.steps[-1].loss if self.result.steps else None, pending_wait)
+            self._save(self.result.steps[-1].loss if self.result.steps else None, pending_wait, final=True)
         logger.info(f"stopped at global step {self.optimizer.local_epoch}" + (" (stop requested)" if stopped else ""))
         return self.result
 
@@ -517,13 +517,16 @@ class TrainerPeer(SwarmPeer):
     def _pending_update_timeout(self) -> float:
         return pending_update_timeout(self.timing.averaging_timeout)
 
-    def _apply_pending_updates(self, timeout: float | None = None) -> None:
+    def _apply_pending_updates(self, timeout: float | None = None, outer_round: bool = True) -> None:
         """Wait for every background step and averaging round; a checkpoint must not miss one that lands late."""
-        if not compat.apply_pending_updates(self.optimizer, timeout or self._pending_update_timeout):
+        if not compat.apply_pending_updates(self.optimizer, timeout or self._pending_update_timeout, outer_round):
             logger.warning("a background averaging round is still running: these parameters may miss its result")
 
-    def _save(self, loss: float | None, pending_wait: float | None = None) -> None:
-        self._apply_pending_updates(pending_wait)  # save parameters with every step applied
+    def _save(self, loss: float | None, pending_wait: float | None = None, final: bool = False) -> None:
+        # save parameters with every step applied; a DiLoCo outer round in flight is awaited only at the end (the
+        # checkpoint has the inner progress made since it was sent in its parameters: a resumed trainer sends that
+        # progress in its next round)
+        self._apply_pending_updates(pending_wait, outer_round=final)
         self.result.checkpoint = checkpoints.save_checkpoint(
             self.output_dir,
             self.optimizer.local_epoch,

@@ -1,5 +1,6 @@
 """The parts a trainer is built from: presets, LAMB, schedule, rollback, checkpoints, precision, metrics."""
 
+import contextlib
 import json
 import math
 import runpy
@@ -152,7 +153,9 @@ def lonely_optimizer(tokenizer):
     dht.shutdown()
 
 
-def lonely_diloco(tokenizer, run_id: str, inner_steps: int = 3, averaging_timeout: float | None = None):
+def lonely_diloco(
+    tokenizer, run_id: str, inner_steps: int = 3, averaging_timeout: float | None = None, overlap: bool = False
+):
     """A DiLoCo optimizer alone in its swarm, from the trainer's factory, and its DHT."""
     import hivemind
 
@@ -163,7 +166,9 @@ def lonely_diloco(tokenizer, run_id: str, inner_steps: int = 3, averaging_timeou
     peer_args = PeerArguments(
         swarm_args=SwarmArguments(run_id=run_id),
         averaging_args=AveragingArguments(matchmaking_time=1.0, averaging_timeout=averaging_timeout),
-        optimizer_args=CollaborativeOptimizerArguments(diloco_inner_steps=inner_steps, diloco_wait=0),
+        optimizer_args=CollaborativeOptimizerArguments(
+            diloco_inner_steps=inner_steps, diloco_wait=0, diloco_overlap=overlap
+        ),
         training_args=LocalTrainingArguments(
             per_device_train_batch_size=4, learning_rate=0.01, warmup_steps=1, total_steps=1000
         ),
@@ -399,23 +404,24 @@ def test_8bit_codecs_decode_what_they_encode(kind):
     assert torch.equal(deserialize_torch_tensor(encoded), constant)
 
 
-def test_a_failed_outer_round_steps_on_the_peers_own_pseudo_gradient(tokenizer):
-    # another peer reports progress, so the outer round looks for it, and never comes to the round, which fails: the
-    # outer step takes this peer's own pseudo-gradient (hivemind's fallback gave it zeros: the model went back to
-    # where its inner steps began)
+@contextlib.contextmanager
+def diloco_with_an_absent_peer(tokenizer, run_id: str, overlap: bool = False):
+    """A lonely DiLoCo optimizer (3 inner steps, 3-s rounds) beside a peer that reports progress toward its outer
+    round and never comes to it, once that peer is seen: the round looks for it and fails. Yields the model, the
+    optimizer (after 2 inner steps) and the parameters before those steps (in the outer parameters' order)."""
     from sahajbert import hivemind_compat as compat
     from sahajbert.localswarm import wait_for
 
-    model, optimizer, dht = lonely_diloco(tokenizer, "diloco-failed-round", averaging_timeout=3.0)
+    model, optimizer, dht = lonely_diloco(tokenizer, run_id, averaging_timeout=3.0, overlap=overlap)
     absent = subprocess.Popen(
-        [sys.executable, str(script("tests/absent_peer.py")), "diloco-failed-round", str(dht.get_visible_maddrs()[0])],
+        [sys.executable, str(script("tests/absent_peer.py")), run_id, str(dht.get_visible_maddrs()[0])],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
     try:
         assert absent.stdout.readline().strip() == "reporting"
-        start = [p.detach().clone() for p in model.parameters()]
+        start = [p.detach().clone() for p in compat.master_parameters(optimizer)]
         for _ in range(2):
             train_one_batch(model, optimizer)
         wait_for(
@@ -423,20 +429,62 @@ def test_a_failed_outer_round_steps_on_the_peers_own_pseudo_gradient(tokenizer):
             60,
             "the other peer's progress to be seen",
         )
-        reached = [p.detach().clone() for p in model.parameters()]
-        train_one_batch(model, optimizer)  # the third inner step, then the outer round, which finds nobody
-        assert optimizer.local_epoch == 1
-        # the outer step went the way of the inner steps (the third moved the parameters on from `reached`, hence a
-        # direction rather than values); with zeros it went nowhere: exactly back to the start
-        moved = torch.cat([(now.detach() - begun).flatten() for begun, now in zip(start, model.parameters())])
-        own = torch.cat([(r - begun).flatten() for begun, r in zip(start, reached)])
-        assert torch.nn.functional.cosine_similarity(moved, own, dim=0) > 0.5
-        assert moved.norm() > own.norm(), "Nesterov SGD at lr 0.7, momentum 0.9: 1.33x the pseudo-gradient"
+        yield model, optimizer, start
     finally:
         absent.stdin.close()
         absent.wait(60)
         optimizer.shutdown()
         dht.shutdown()
+
+
+def test_a_failed_outer_round_steps_on_the_peers_own_pseudo_gradient(tokenizer):
+    # another peer reports progress, so the outer round looks for it, and never comes to the round, which fails: the
+    # outer step takes this peer's own pseudo-gradient (hivemind's fallback gave it zeros: the model went back to
+    # where its inner steps began)
+    from sahajbert import hivemind_compat as compat
+
+    with diloco_with_an_absent_peer(tokenizer, "diloco-failed-round") as (model, optimizer, start):
+        params = compat.master_parameters(optimizer)
+        reached = [p.detach().clone() for p in params]
+        train_one_batch(model, optimizer)  # the third inner step, then the outer round, which finds nobody
+        assert optimizer.local_epoch == 1
+        # the outer step went the way of the inner steps (the third moved the parameters on from `reached`, hence a
+        # direction rather than values); with zeros it went nowhere: exactly back to the start
+        moved = torch.cat([(now.detach() - begun).flatten() for begun, now in zip(start, params)])
+        own = torch.cat([(r - begun).flatten() for begun, r in zip(start, reached)])
+        assert torch.nn.functional.cosine_similarity(moved, own, dim=0) > 0.5
+        assert moved.norm() > own.norm(), "Nesterov SGD at lr 0.7, momentum 0.9: 1.33x the pseudo-gradient"
+
+
+def test_an_overlapped_outer_round_runs_behind_the_next_inner_steps_which_keep_their_progress(tokenizer):
+    # --diloco_overlap: the round (here one that fails: the other peer never comes) runs while the trainer goes on;
+    # its outer step then moves the model by as much as it moved the outer parameters, and what the model did since
+    # the round was sent stays in it
+    from sahajbert import hivemind_compat as compat
+    from sahajbert.localswarm import wait_for
+
+    with diloco_with_an_absent_peer(tokenizer, "diloco-overlap", overlap=True) as (model, optimizer, start):
+        params = compat.master_parameters(optimizer)
+        train_one_batch(model, optimizer)  # the third inner step: the round is sent and the step returns at once
+        sent = [p.detach().clone() for p in params]
+        assert optimizer.local_epoch == 0 and optimizer.inner_step == 0 and compat.has_pending_updates(optimizer)
+        assert any(not torch.equal(a, b) for a, b in zip(start, sent)), "the model stays where the inner steps went"
+        # the step is global (the trainer reads the swarm afresh) only when the next round is due, not while
+        # this one runs although the swarm may look a step ahead
+        assert not compat.step_would_be_global(optimizer, 4)
+        wait_for(lambda: optimizer.scheduled_grads.done(), 60, "the round to fail")
+        progress = [torch.randn_like(p) * 1e-3 for p in params]  # as if inner steps had moved the model
+        with torch.no_grad():
+            for p, d in zip(params, progress):
+                p.add_(d)
+        assert compat.apply_pending_updates(optimizer, 30)
+        assert optimizer.local_epoch == 1 and not compat.has_pending_updates(optimizer)
+        outer = [p for group in optimizer.opt.param_groups for p in group["params"]]
+        for begun, reached, d, now, outer_now in zip(start, sent, progress, params, outer):
+            # the outer step on the own pseudo-gradient (a failed round): 0.7 x 1.9 x (start - sent), as alone
+            expected_outer = begun - 0.7 * 1.9 * (begun - reached)
+            torch.testing.assert_close(outer_now.detach(), expected_outer, rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(now.detach(), expected_outer + d, rtol=1e-4, atol=1e-6)
 
 
 def test_diloco_makes_an_outer_nesterov_step_after_its_inner_steps_and_checkpoints_both_states(tokenizer):

@@ -16,6 +16,7 @@ import math
 import multiprocessing as mp
 import random
 import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -1275,15 +1276,38 @@ def _peer_name(peer: bytes) -> str:
         return repr(peer)
 
 
+class _ReportTrigger(threading.Event):
+    """hivemind's `ProgressTracker.should_report_progress`: every `report_local_progress` sets it, and the tracker
+    then publishes its report to the DHT at once; while `held`, a report stays local until the next publication (a
+    report that sets it, or the periodic one every metadata_expiration / 2 seconds)."""
+
+    held = False
+
+    def set(self) -> None:
+        if not self.held:
+            super().set()
+
+
 class BoundedProgressTracker(ProgressTracker):
     """hivemind's progress tracker, reading the swarm's progress records through `robust.plausible_progress`: one
     peer's claims cannot move the swarm's step or fill its batch. Each distinct change is logged once."""
 
-    def __init__(self, *args, left_out: Callable[[], set[bytes]] = set, **kwargs):
+    def __init__(self, *args, left_out: Callable[[], set[bytes]] = set, start: bool = False, **kwargs):
         self._step_began = (None, time.monotonic())  # (global step, when this peer first saw it)
         self._noted: set[tuple[str, bytes]] = set()
         self._left_out = left_out
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, start=False, **kwargs)
+        self.should_report_progress = _ReportTrigger()  # before the reporter starts waiting on it
+        if start:
+            self.start()
+
+    def note_local_progress(self, local_epoch: int, samples_accumulated: int) -> None:
+        """`report_local_progress`, published with the next report (not at once: one DHT store per call)."""
+        self.should_report_progress.held = True
+        try:
+            self.report_local_progress(local_epoch, samples_accumulated)
+        finally:
+            self.should_report_progress.held = False
 
     def _parse_swarm_progress_data(self, metadata):
         if isinstance(metadata, dict) and metadata:
@@ -1461,7 +1485,13 @@ class DiLoCoOptimizer(GuardedOptimizer):
         self.inner.step()
         self.inner_step += 1
         self.round_samples += batch_size
-        self.tracker.report_local_progress(self.local_epoch, self.round_samples)
+        # the swarm needs this peer's step and presence from its reports, not its samples (no count of samples
+        # starts a round): a round's first report is published (the peers count this one for their next round),
+        # the others with the periodic one; one DHT store per inner step was most of what a trainer sent
+        if self.inner_step == 1:
+            self.tracker.report_local_progress(self.local_epoch, self.round_samples)
+        else:
+            self.tracker.note_local_progress(self.local_epoch, self.round_samples)
         if self.round_in_flight and (self.scheduled_grads.done() or self.inner_step >= self.inner_steps):
             self.finish_outer_round()  # it ended, or the next pseudo-gradient needs its outer step: wait for it
         if self.inner_step >= self.inner_steps:

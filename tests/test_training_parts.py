@@ -487,6 +487,36 @@ def test_an_overlapped_outer_round_runs_behind_the_next_inner_steps_which_keep_t
             torch.testing.assert_close(now.detach(), expected_outer + d, rtol=1e-4, atol=1e-6)
 
 
+def test_a_diloco_trainer_publishes_its_progress_once_per_round_not_at_every_inner_step(tokenizer):
+    # the swarm reads a DiLoCo trainer's step and presence from its progress record; its samples start nothing, and
+    # a DHT store at every inner step was most of what a trainer sent on a slow link
+    import time
+
+    from sahajbert.localswarm import wait_for
+
+    model, optimizer, dht = lonely_diloco(tokenizer, "diloco-quiet")
+    tracker = optimizer.tracker
+
+    def published() -> tuple[int, int] | None:  # (step, samples) of this peer's record in the DHT
+        found = dht.get(tracker.training_progress_key, latest=True)
+        record = found.value.get(tracker._local_public_key) if found is not None else None
+        return None if record is None else (record.value["epoch"], record.value["samples_accumulated"])
+
+    try:
+        train_one_batch(model, optimizer)  # a round's first inner step: published
+        wait_for(lambda: published() == (0, 4), 30, "the round's first report")
+        train_one_batch(model, optimizer)  # kept local
+        assert tracker.local_progress.samples_accumulated == 8
+        time.sleep(3)  # (the periodic report comes every 30 s)
+        assert published() == (0, 4)
+        train_one_batch(model, optimizer)  # the outer step (alone): the new step is published
+        assert optimizer.local_epoch == 1
+        wait_for(lambda: published() == (1, 0), 30, "the new step's report")
+    finally:
+        optimizer.shutdown()
+        dht.shutdown()
+
+
 def test_diloco_makes_an_outer_nesterov_step_after_its_inner_steps_and_checkpoints_both_states(tokenizer):
     model, optimizer, dht = lonely_diloco(tokenizer, "diloco-alone")
     other = None

@@ -70,6 +70,25 @@ def tail_loss(curve: list[dict], samples: int) -> float:
     return sum(loss * w for loss, w in points) / weight if weight else float("nan")
 
 
+def loss_at(curve: list[dict], samples: float) -> float | None:
+    """The loss of the last step that ended at or before `samples` (None before the first)."""
+    before = [point["loss"] for point in curve if point["samples"] <= samples]
+    return before[-1] if before else None
+
+
+def curve_table(results: dict[Mode, dict], samples: int, rows: int = 8) -> list[str]:
+    """The loss curves as a markdown table: each mode's loss at `rows` equal steps of samples up to `samples`."""
+    modes = sorted(results)
+    lines = ["| samples | " + " | ".join(mode_name(mode) for mode in modes) + " |"]
+    lines.append("|---:|" + "---:|" * len(modes))
+    for row in range(1, rows + 1):
+        at = samples * row / rows
+        losses = [loss_at(results[mode]["curve"], at) for mode in modes]
+        cells = " | ".join("" if loss is None else f"{loss:.3f}" for loss in losses)
+        lines.append(f"| {at:,.0f} | {cells} |")
+    return lines
+
+
 def svg_plot(results: dict[Mode, dict], path: Path) -> None:
     """The loss curves against samples trained, as a self-contained SVG (no plotting library needed)."""
     width, height, margin = 640, 400, 50
@@ -93,10 +112,12 @@ def svg_plot(results: dict[Mode, dict], path: Path) -> None:
         f"loss ({low:.2f} to {high:.2f})</text>",
     ]
     for index, (mode, result) in enumerate(sorted(results.items())):
-        colour = colours[index % len(colours)]
-        label = mode_name(mode)
+        # one colour per H; an overlapped run is drawn dashed in its H's colour
+        colour = colours[sorted({m[0] for m in results}).index(mode[0]) % len(colours)]
+        dash = ' stroke-dasharray="6 4"' if mode[1] else ""
+        label = mode_name(mode) + (" (dashed)" if mode[1] else "")
         lines.append(
-            f'<polyline fill="none" stroke="{colour}" stroke-width="2" '
+            f'<polyline fill="none" stroke="{colour}" stroke-width="2"{dash} '
             f'points="{" ".join(xy(p) for p in result["curve"])}"/>'
         )
         lines.append(f'<text x="{width - margin - 170}" y="{margin + 16 * index}" fill="{colour}">{label}</text>')
@@ -155,6 +176,8 @@ def main(argv=None) -> int:
             f"{'1x' if mode[0] == 0 else f'{reduction:,.0f}x less'} | {result['compute_utilization']:.1%} | "
             f"{loss:.3f} | {loss / dp_loss - 1:+.1%} | {'yes' if result['parameters_agree'] else 'NO'} |"
         )
+    print("\nloss curves (the last step's loss at each point; every step below and in --plot):\n")
+    print("\n".join(curve_table(results, common)))
     print("\ncurves (samples: loss):")
     for mode, result in sorted(results.items()):
         name = mode_name(mode)

@@ -1439,7 +1439,6 @@ class DiLoCoOptimizer(GuardedOptimizer):
         self.round_samples = 0  # samples behind them
         self.own_pseudo_gradient: list[torch.Tensor] | None = None  # during an outer step: this peer's, for a failure
         self.sent_parameters: list[torch.Tensor] | None = None  # with overlap: the model's when its round was sent
-        self._round_begun = False  # with overlap: the round awaited now was begun at the end of the inner steps
         extras = tuple(self._initialize_inner_state())
         kwargs.update(
             extra_tensors=extras,
@@ -1525,7 +1524,6 @@ class DiLoCoOptimizer(GuardedOptimizer):
         # alone, there is no round to overlap: the outer step is made now
         if self.overlap and peers > 1 and super()._begin_averaging_gradients(None):
             self.sent_parameters = [p.detach().clone() for p in self.state_averager.main_parameters]
-            self._round_begun = True
             logger.log(self.status_loglevel, "Outer round sent: the next inner steps run while it averages")
         else:
             try:
@@ -1552,11 +1550,11 @@ class DiLoCoOptimizer(GuardedOptimizer):
             self._update_global_epoch(None)
         finally:
             self.state_averager.progress_since = self.sent_parameters = self.own_pseudo_gradient = None
-            self._round_begun = False
 
     def _begin_averaging_gradients(self, grad_scaler) -> bool:
-        # with overlap the round was begun when it was sent (`_outer_step`); `_update_global_epoch` only awaits it
-        return True if self._round_begun else super()._begin_averaging_gradients(grad_scaler)
+        # with overlap the round in flight was begun when it was sent (`_outer_step`); `finish_outer_round`'s
+        # `_update_global_epoch` only awaits it
+        return True if self.round_in_flight else super()._begin_averaging_gradients(grad_scaler)
 
     @torch.no_grad()
     def _load_local_gradients_into_optimizer(self):

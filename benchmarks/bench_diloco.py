@@ -7,7 +7,11 @@ parameters every global step of --target_batch_size samples) and DiLoCo at each 
 pseudo-gradients once per H inner steps of each trainer). The learning rates are constant after one warm-up step
 (--total_steps far away) so that the horizons compare: --dp_lr for data parallelism's LAMB (its batch is the
 swarm's), --inner_lr for DiLoCo's inner LAMB (its batch is one trainer's pass). "loss" is the swarm's mean loss over
-the last quarter of the samples every mode trained; its ratio to data parallelism's is the goal's measure.
+the last quarter of the samples every mode trained; its ratio to data parallelism's is the goal's measure. Bytes
+are every trainer's, from the moment all train to the end ("in training": to the swarm's last step, without the final
+parameter round, which sends parameters and optimizer state once per run). "compute utilization" is forward and
+backward seconds over wall seconds; "with inner steps" adds DiLoCo's inner optimizer steps, the rest of a trainer's
+own work (data parallelism's optimizer steps with the swarm's, once per global step).
 
     sudo python benchmarks/bench_diloco.py --profile slow --samples 12288 --inner_steps 10 50 200 \
         --plot benchmarks/diloco_curves.svg
@@ -163,17 +167,19 @@ def main(argv=None) -> int:
         f"{common:,} samples; first logged loss (data parallel) {dp['curve'][0]['loss']:.3f}\n"
     )
     print(
-        "| mode | outer/global steps | bytes sent per sample | vs data parallel | compute utilization | "
-        "loss | vs data parallel | parameters agree |"
+        "| mode | outer/global steps | bytes sent per sample | in training | vs data parallel | "
+        "compute utilization | with inner steps | loss | vs data parallel | parameters agree |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for mode, result in sorted(results.items()):
         loss = tail_loss(result["curve"], common)
         name = mode_name(mode) + (" (DPU, fp16)" if mode[0] == 0 else " (int8)")
         reduction = dp["bytes_per_sample"] / max(1e-9, result["bytes_per_sample"])
         print(
             f"| {name} | {result['global_steps']} | {result['bytes_per_sample']:,.0f} | "
+            f"{result['training_bytes_per_sample']:,.0f} | "
             f"{'1x' if mode[0] == 0 else f'{reduction:,.0f}x less'} | {result['compute_utilization']:.1%} | "
+            f"{result['training_utilization']:.1%} | "
             f"{loss:.3f} | {loss / dp_loss - 1:+.1%} | {'yes' if result['parameters_agree'] else 'NO'} |"
         )
     print("\nloss curves (the last step's loss at each point; every step below and in --plot):\n")

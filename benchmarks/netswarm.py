@@ -440,6 +440,9 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
         # the byte counters start once every trainer trains: before that, link probes and a download of the first
         # trainer's parameters are the traffic of starting, not of averaging
         start_bytes = None
+        # and once more when the swarm's last step is logged: what the trainers sent in training, before the final
+        # parameter round (a fixed cost of a run: parameters and optimizer state, once)
+        before_final = None
         started, next_churn, churn_slot = time.time(), time.time() + args.churn_every, 0
         next_churn_step = args.churn_every_steps
         while any(p.running() for p in trainers.values()):
@@ -448,6 +451,8 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
             swarm_step = max((r.step for name in trainers for r in read_train_log(workdir / name)[-1:]), default=0)
             if start_bytes is None and all(TRAINING.search(p.output()) for p in trainers.values()):
                 start_bytes = {ns: net.tx_bytes(ns) for ns, _ in [*hosts.values(), first_host]}
+            if start_bytes is not None and before_final is None and swarm_step >= args.max_steps:
+                before_final = sum(net.tx_bytes(ns) - start_bytes[ns] for ns, _ in hosts.values())
             due = (args.churn_every and time.time() >= next_churn) or (
                 args.churn_every_steps and swarm_step >= next_churn_step
             )
@@ -465,6 +470,7 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
         start_bytes = start_bytes or {ns: net.tx_bytes(ns) for ns, _ in [*hosts.values(), first_host]}
         sent_by_host = {ns: net.tx_bytes(ns) - start_bytes[ns] for ns, _ in hosts.values()}
         sent = sum(sent_by_host.values())
+        before_final = sent if before_final is None else before_final
         # what the first peer sent meanwhile: the DHT's traffic, and with NAT'd trainers, everything it relayed
         first_peer_sent = net.tx_bytes(first_host[0]) - start_bytes[first_host[0]]
         failed = [name for name, p in trainers.items() if p.process.returncode not in (0, -signal.SIGKILL)]
@@ -482,6 +488,7 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
         "link_of_trainer": {name: net.links[host_of[name]] for name in trainers},
         "started_at": started_at,
         "first_peer_sent": first_peer_sent,
+        "sent_before_final_round": before_final,
         "hub": net.hub,
         "reachability_checks": checks,
         "nat": nat_of,
@@ -521,12 +528,15 @@ def summarize(args, workdir: Path, trainers: dict, kills: list[float], sent_byte
             lost += max(0, args.target_batch_size - applied)
     peers = sum(r.peers for r in records) / max(1, len(records))
     parameters = model_parameters(args.model)
-    # compute utilization: each trainer's forward/backward seconds over the wall seconds its records span
-    utilization = []
+    # compute utilization: each trainer's forward/backward seconds over the wall seconds its records span; training
+    # utilization adds the trainer's own optimizer steps (DiLoCo's inner steps), the rest of its local work
+    utilization, training = [], []
     for log in logs.values():
         if len(log) >= 2:
             wall = log[-1].time - log[0].time
             utilization.append(sum(r.compute_seconds for r in log[1:]) / wall if wall > 0 else 0.0)
+            local = sum(r.compute_seconds + r.optimizer_seconds for r in log[1:])
+            training.append(local / wall if wall > 0 else 0.0)
     round_times = [r.round_seconds for r in records if r.round_seconds is not None]
     samples = sum(r.samples for r in records)
     links = network["link_of_trainer"]
@@ -596,7 +606,10 @@ def summarize(args, workdir: Path, trainers: dict, kills: list[float], sent_byte
         "heterogeneous": args.heterogeneous,
         "switch_ceiling_mbit": network["switch_ceiling_mbit"],
         "compute_utilization": sum(utilization) / len(utilization) if utilization else 0.0,
+        "training_utilization": sum(training) / len(training) if training else 0.0,
         "bytes_per_sample": sent_bytes / max(1, samples),
+        # the same in training: up to the swarm's last step (polled each second), without the final round
+        "training_bytes_per_sample": network["sent_before_final_round"] / max(1, samples),
         "seconds_per_round": sum(round_times) / len(round_times) if round_times else None,
         "bandwidth": bandwidth,
         "newcomers": newcomers,
@@ -672,6 +685,7 @@ def print_table(result: dict) -> None:
         ("  of which compute (forward/backward)", f"{result['compute_seconds_per_step']:.2f}"),
         ("  of which averaging and waiting", f"{result['seconds_per_step'] - result['compute_seconds_per_step']:.2f}"),
         ("compute utilization (compute / wall seconds per trainer)", f"{result['compute_utilization']:.1%}"),
+        ("  with the trainer's own optimizer steps (DiLoCo's inner steps)", f"{result['training_utilization']:.1%}"),
         (
             "seconds per gradient all-reduce round",
             f"{result['seconds_per_round']:.2f}" if result["seconds_per_round"] is not None else "none finished",
@@ -679,6 +693,7 @@ def print_table(result: dict) -> None:
         ("bytes sent per peer per global step", f"{result['bytes_per_peer_step']:,.0f}"),
         ("ideal all-reduce bytes per peer per step", f"{result['ideal_bytes_per_peer_step']:,.0f}"),
         ("bytes sent by all trainers per sample trained", f"{result['bytes_per_sample']:,.0f}"),
+        ("  up to the last step (without the final parameter round)", f"{result['training_bytes_per_sample']:,.0f}"),
         ("failed averaging rounds", f"{result['failed_rounds']}"),
         ("samples lost to churn", f"{result['samples_lost_to_churn']}"),
         ("global steps after the last churn event", f"{result['steps_after_last_churn']}"),

@@ -321,11 +321,14 @@ def plan_timing(
     )
 
 
-def refresh_period_for(step_seconds: float, ceiling: float) -> float:
-    """Read the swarm's progress at least 5 times per global step, between 1 s and `ceiling`."""
+def refresh_period_for(step_seconds: float, ceiling: float, reads_per_step: int = 5) -> float:
+    """Read the swarm's progress at least `reads_per_step` times per global step, between 1 s and `ceiling`.
+
+    5 in synchronous training, where the samples the reads count start the global step; 1 in DiLoCo, where each
+    trainer reads ahead of its own outer rounds and the periodic read only notices a round it missed."""
     if not math.isfinite(step_seconds) or step_seconds <= 0:
         return ceiling
-    return clamp(step_seconds / 5, (REFRESH_BOUNDS[0], max(REFRESH_BOUNDS[0], ceiling)))
+    return clamp(step_seconds / reads_per_step, (REFRESH_BOUNDS[0], max(REFRESH_BOUNDS[0], ceiling)))
 
 
 def payload_bytes(parameters: int, compression: str) -> tuple[float, float]:

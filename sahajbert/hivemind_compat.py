@@ -36,7 +36,7 @@ from hivemind.compression.quantization import Quantile8BitQuantization, Quantiza
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
 from hivemind.optim.grad_averager import GradientAverager
-from hivemind.optim.progress_tracker import ProgressTracker
+from hivemind.optim.progress_tracker import GlobalTrainingProgress, ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, dht_pb2
@@ -397,10 +397,17 @@ def read_progress_now(optimizer: hivemind.Optimizer, timeout: float) -> bool:
     re-reads the (now past) fetch time, fetches, and sets `fetched_global_progress_this_epoch`.
     """
     tracker = optimizer.tracker
+    if isinstance(optimizer, DiLoCoOptimizer) and optimizer.read_ahead_came_in:
+        return True  # asked for halfway through the round, and in: no wait before the outer round
+    request_progress_read(tracker)
+    return tracker.fetched_global_progress_this_epoch.wait(timeout)
+
+
+def request_progress_read(tracker: ProgressTracker) -> None:
+    """Wake the tracker's fetcher to read the swarm's progress now, without waiting for it."""
     tracker.fetched_global_progress_this_epoch.clear()
     tracker.global_progress.next_fetch_time = get_dht_time()
     tracker.global_state_updated.set()
-    return tracker.fetched_global_progress_this_epoch.wait(timeout)
 
 
 def step_would_be_global(optimizer: hivemind.Optimizer, batch_size: int) -> bool:
@@ -424,6 +431,14 @@ def inner_round(optimizer: hivemind.Optimizer) -> tuple[int, int] | None:
     if isinstance(optimizer, DiLoCoOptimizer):
         return optimizer.inner_step, optimizer.inner_steps
     return None
+
+
+def take_inner_step_seconds(optimizer: hivemind.Optimizer) -> float:
+    """DiLoCo: seconds spent in inner optimizer steps since the last call (then 0 again); 0 in synchronous mode."""
+    if not isinstance(optimizer, DiLoCoOptimizer):
+        return 0.0
+    seconds, optimizer.inner_step_seconds = optimizer.inner_step_seconds, 0.0
+    return seconds
 
 
 def local_state(optimizer: hivemind.Optimizer) -> dict | None:
@@ -1437,7 +1452,10 @@ class DiLoCoOptimizer(GuardedOptimizer):
         self.last_step = last_step
         self.inner_step = 0  # inner steps since the last outer step
         self.round_samples = 0  # samples behind them
+        self.inner_step_seconds = 0.0  # in inner optimizer steps, until `take_inner_step_seconds`
         self.own_pseudo_gradient: list[torch.Tensor] | None = None  # during an outer step: this peer's, for a failure
+        # the swarm's progress as it was when this round's read ahead was asked for (None: not asked yet)
+        self.read_ahead_from: GlobalTrainingProgress | None = None
         self.sent_parameters: list[torch.Tensor] | None = None  # with overlap: the model's when its round was sent
         extras = tuple(self._initialize_inner_state())
         kwargs.update(
@@ -1481,7 +1499,9 @@ class DiLoCoOptimizer(GuardedOptimizer):
             return None  # these gradients came from parameters the swarm has moved past
         for group in self.inner.param_groups:
             group["lr"] = self.inner_lr(self.run_inner_step)
+        started = time.perf_counter()
         self.inner.step()
+        self.inner_step_seconds += time.perf_counter() - started
         self.inner_step += 1
         self.round_samples += batch_size
         # the swarm needs this peer's step and presence from its reports, not its samples (no count of samples
@@ -1493,9 +1513,27 @@ class DiLoCoOptimizer(GuardedOptimizer):
             self.tracker.note_local_progress(self.local_epoch, self.round_samples)
         if self.round_in_flight and (self.scheduled_grads.done() or self.inner_step >= self.inner_steps):
             self.finish_outer_round()  # it ended, or the next pseudo-gradient needs its outer step: wait for it
+        self._read_ahead()
         if self.inner_step >= self.inner_steps:
             self._outer_step()
         return None
+
+    def _read_ahead(self) -> None:
+        """Halfway through a round, ask for the fresh read of the swarm's progress (its peers, its step) that the
+        outer round starts on, without waiting: it comes in during the next inner steps, and the H-th step does not
+        wait for a DHT read (a read over a slow link took as long as 6 tiny inner steps). Not in the first round,
+        whose read follows the wait for the trainers starting with it, nor while a round is in flight, whose outer
+        step changes the step the read is for."""
+        if self.local_epoch == 0 or self.round_in_flight or self.read_ahead_from is not None:
+            return
+        if self.inner_step >= self.inner_steps // 2:
+            self.read_ahead_from = self.tracker.global_progress
+            request_progress_read(self.tracker)
+
+    @property
+    def read_ahead_came_in(self) -> bool:
+        """The read asked for this round has come in (each read replaces the tracker's `global_progress`)."""
+        return self.read_ahead_from is not None and self.tracker.global_progress is not self.read_ahead_from
 
     @property
     def round_in_flight(self) -> bool:
@@ -1521,6 +1559,7 @@ class DiLoCoOptimizer(GuardedOptimizer):
             )
         self.own_pseudo_gradient = [p.grad for p in self.state_averager.main_parameters]
         self.inner_step = self.round_samples = 0
+        self.read_ahead_from = None
         # alone, there is no round to overlap: the outer step is made now
         if self.overlap and peers > 1 and super()._begin_averaging_gradients(None):
             self.sent_parameters = [p.detach().clone() for p in self.state_averager.main_parameters]

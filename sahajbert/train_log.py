@@ -25,6 +25,9 @@ class StepRecord:
     failed_rounds: int = 0  # averaging rounds hivemind reported failed, since this peer started
     round_seconds: float | None = None  # the last gradient all-reduce: from the step that triggered it to its end
     bandwidth_mbit: float | None = None  # what this peer declared to the averagers (None: equal shares)
+    # of this peer's time toward the step, in its own optimizer steps (DiLoCo's inner steps; 0 in synchronous
+    # training, whose optimizer steps with the swarm's)
+    optimizer_seconds: float = 0.0
 
 
 class TrainLog:

@@ -66,6 +66,7 @@ class StepCounters:
     passes: int = 0
     samples: int = 0
     compute_seconds: float = 0.0  # forward and backward only
+    optimizer_seconds: float = 0.0  # DiLoCo's inner optimizer steps
 
 
 def train(peer_args: PeerArguments) -> TrainResult:
@@ -313,6 +314,7 @@ class TrainerPeer(SwarmPeer):
         self.counters.loss_sum += pass_loss
         self.counters.passes += 1
         self.counters.samples += self.samples_per_pass
+        self.counters.optimizer_seconds += compat.take_inner_step_seconds(self.optimizer)
         # DiLoCo's inner optimizer changes them at every step
         local_step = compat.inner_round(self.optimizer) is not None
         return local_step or updates_pending or self.optimizer.local_epoch != step_before
@@ -347,11 +349,13 @@ class TrainerPeer(SwarmPeer):
             watch.start()
 
     def _follow_step_time(self) -> None:
-        """Read the swarm's progress at least 5 times per global step, by the time the last one took."""
+        """Read the swarm's progress at least 5 times per global step (DiLoCo: once), by the time the last one took."""
         now = time.monotonic()
         if self.refresh_ceiling is None and self._last_step_time is not None:
             seconds = now - self._last_step_time
-            compat.set_refresh_period(self.optimizer, adaptive.refresh_period_for(seconds, adaptive.REFRESH_BOUNDS[1]))
+            reads = 1 if compat.inner_round(self.optimizer) is not None else 5
+            period = adaptive.refresh_period_for(seconds, adaptive.REFRESH_BOUNDS[1], reads)
+            compat.set_refresh_period(self.optimizer, period)
         self._last_step_time = now
 
     def _record_step(self) -> StepRecord:
@@ -377,6 +381,7 @@ class TrainerPeer(SwarmPeer):
             samples_per_second=samples_per_second,
             time=time.time(),
             compute_seconds=counters.compute_seconds,
+            optimizer_seconds=counters.optimizer_seconds,
             failed_rounds=self.rounds.failed_rounds,
             round_seconds=self.rounds.round_seconds[-1] if self.rounds.round_seconds else None,
             bandwidth_mbit=self.timing.bandwidth,

@@ -81,6 +81,8 @@ def test_the_refresh_period_follows_the_step_time():
     assert refresh_period_for(2.0, 10.0) == 1.0
     assert refresh_period_for(600.0, 10.0) == 10.0
     assert refresh_period_for(float("nan"), 10.0) == 10.0
+    assert refresh_period_for(20.0, 10.0, reads_per_step=1) == 10.0  # DiLoCo: once per step, within the bounds
+    assert refresh_period_for(4.0, 10.0, reads_per_step=1) == 4.0
 
 
 def test_a_peer_that_started_earlier_has_the_higher_start_priority():

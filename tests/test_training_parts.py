@@ -517,6 +517,35 @@ def test_a_diloco_trainer_publishes_its_progress_once_per_round_not_at_every_inn
         dht.shutdown()
 
 
+def test_a_diloco_trainer_reads_the_swarm_ahead_of_its_outer_round_and_does_not_wait_for_it(tokenizer):
+    # the outer round starts on a fresh read of the swarm's progress (its peers, its step): asked for halfway
+    # through the round, it is in by the H-th step, which then waits for no DHT read
+    from sahajbert import hivemind_compat as compat
+    from sahajbert.localswarm import wait_for
+
+    model, optimizer, dht = lonely_diloco(tokenizer, "diloco-read-ahead", inner_steps=4)
+    try:
+        for _ in range(2):
+            train_one_batch(model, optimizer)
+        assert optimizer.read_ahead_from is None, "the first round reads after the wait for the starting trainers"
+        for _ in range(2):
+            train_one_batch(model, optimizer)
+        assert optimizer.local_epoch == 1
+        train_one_batch(model, optimizer)
+        assert optimizer.read_ahead_from is None, "not before halfway"
+        train_one_batch(model, optimizer)
+        assert optimizer.read_ahead_from is not None
+        wait_for(lambda: optimizer.read_ahead_came_in, 30, "the read asked for halfway")
+        assert compat.read_progress_now(optimizer, timeout=0), "no wait: a read asked for now is not in at once"
+        for _ in range(2):
+            train_one_batch(model, optimizer)
+        assert optimizer.local_epoch == 2 and optimizer.read_ahead_from is None, "a new round asks again"
+        assert not compat.read_progress_now(optimizer, timeout=0), "without a read ahead, the read is waited for"
+    finally:
+        optimizer.shutdown()
+        dht.shutdown()
+
+
 def test_diloco_makes_an_outer_nesterov_step_after_its_inner_steps_and_checkpoints_both_states(tokenizer):
     model, optimizer, dht = lonely_diloco(tokenizer, "diloco-alone")
     other = None

@@ -105,14 +105,24 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
+# "8bit" sends a smaller tensor part in fp16: 8-bit takes n + 1,032 bytes (its values, 256 float32 bucket means and
+# an 8-byte header), fewer than fp16's 2n only from here
+EIGHT_BIT_MIN_VALUES = 1033
+
+
 def make_compression(name: str) -> CompressionBase:
-    """--compression -> hivemind codec; "adaptive": fp16 for small tensors, 8-bit for large ones (> 64 Ki)."""
+    """--compression -> hivemind codec; "8bit": 8-bit where it takes fewer bytes than fp16 (parts of over 1,032
+    values), "adaptive": fp16 for small tensors, 8-bit for large ones (> 64 Ki)."""
     if name == "none":
         return NoCompression()
     if name == "fp16":
         return Float16Compression()
     if name == "8bit":
-        return compat.Uniform8Bit()
+        # per tensor part, whichever takes fewer bytes: fp16 is also exact-er (a tiny model's biases and norms, 20 of
+        # its 32 tensors, went as 1 KiB of bucket means each)
+        return SizeAdaptiveCompression(
+            threshold=EIGHT_BIT_MIN_VALUES, less=Float16Compression(), greater_equal=compat.Uniform8Bit()
+        )
     if name == "adaptive":  # sahajBERT-XL's: fp16 below 2^16 + 1 elements (tanmoyio/sahajBERT run_trainer.py:168)
         return SizeAdaptiveCompression(
             threshold=2**16 + 1, less=Float16Compression(), greater_equal=compat.Uniform8Bit()

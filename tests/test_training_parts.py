@@ -404,6 +404,22 @@ def test_8bit_codecs_decode_what_they_encode(kind):
     assert torch.equal(deserialize_torch_tensor(encoded), constant)
 
 
+def test_8bit_compression_sends_each_tensor_part_in_the_fewer_bytes():
+    # 8-bit costs a part's values plus 256 float32 bucket means; a bias of 64 values goes as fp16 (128 bytes, not
+    # 64 + 1,032), a matrix of 4,096 values in 8 bits; what the all-reduce sends is what the factory chose
+    from hivemind.compression import CompressionInfo
+
+    from sahajbert.optim import make_compression
+
+    compression = make_compression("8bit")
+    sizes = {}
+    for values in (64, 1032, 1033, 4096):
+        tensor = torch.randn(values)
+        sizes[values] = len(compression.compress(tensor, CompressionInfo.from_tensor(tensor)).buffer)
+    assert sizes[64] == 2 * 64 and sizes[1032] == 2 * 1032, sizes
+    assert sizes[1033] == 1033 + 1032 < 2 * 1033 and sizes[4096] == 4096 + 1032, sizes
+
+
 @contextlib.contextmanager
 def diloco_with_an_absent_peer(tokenizer, run_id: str, overlap: bool = False):
     """A lonely DiLoCo optimizer (3 inner steps, 3-s rounds) beside a peer that reports progress toward its outer

@@ -11,7 +11,9 @@ the last quarter of the samples every mode trained; its ratio to data parallelis
 are every trainer's, from the moment all train to the end ("in training": to the swarm's last step, without the final
 parameter round, which sends parameters and optimizer state once per run). "compute utilization" is forward and
 backward seconds over wall seconds; "with inner steps" adds DiLoCo's inner optimizer steps, the rest of a trainer's
-own work (data parallelism's optimizer steps with the swarm's, once per global step).
+own work (data parallelism's optimizer steps with the swarm's, once per global step). With --every_pass_samples,
+data parallelism with a global step at every pass runs too, for fewer samples (its rounds take seconds each on slow
+links): the bytes goal's baseline, which the reduction column then divides by.
 
     sudo python benchmarks/bench_diloco.py --profile slow --samples 12288 --inner_steps 10 50 200 \
         --plot benchmarks/diloco_curves.svg
@@ -40,26 +42,29 @@ def mode_name(mode: Mode) -> str:
     return f"DiLoCo H={inner_steps}" + (", overlapped" if overlap else "")
 
 
-def run_mode(args, mode: Mode, work: Path) -> dict:
+def run_mode(args, mode: Mode, work: Path, every_pass: bool = False) -> dict:
     """One netswarm run; its JSON result. DiLoCo's --max_steps: outer steps to reach --samples with every trainer's
-    H passes of BATCH samples."""
+    H passes of BATCH samples. `every_pass`: data parallelism with a global step at every pass of every trainer
+    (--every_pass_samples of them, at --inner_lr: its batch is the trainers' passes)."""
     inner_steps, overlap = mode
-    per_step = args.target_batch_size if inner_steps == 0 else args.trainers * inner_steps * BATCH
-    steps = math.ceil(args.samples / per_step)
-    output = work / f"h{inner_steps}{'o' if overlap else ''}.json"
+    target_batch_size = args.trainers * BATCH if every_pass else args.target_batch_size
+    per_step = target_batch_size if inner_steps == 0 else args.trainers * inner_steps * BATCH
+    steps = math.ceil((args.every_pass_samples if every_pass else args.samples) / per_step)
+    output = work / ("every_pass.json" if every_pass else f"h{inner_steps}{'o' if overlap else ''}.json")
     command = [sys.executable, str(ROOT / "benchmarks" / "netswarm.py"), "--profile", args.profile]
     command += ["--trainers", str(args.trainers), "--max_steps", str(steps), "--model", args.model]
-    command += ["--target_batch_size", str(args.target_batch_size), "--total_steps", str(FAR)]
+    command += ["--target_batch_size", str(target_batch_size), "--total_steps", str(FAR)]
     command += ["--timeout", str(args.timeout), "--output_json", str(output)]
     if inner_steps:
         command += ["--diloco_inner_steps", str(inner_steps), "--learning_rate", str(args.inner_lr)]
         command += ["--diloco_overlap"] if overlap else []
     else:
-        command += ["--learning_rate", str(args.dp_lr)]
+        command += ["--learning_rate", str(args.inner_lr if every_pass else args.dp_lr)]
     print("running:", " ".join(command[1:]), flush=True)
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"netswarm failed for {mode_name(mode)}: {done.stderr.strip()[-2000:]}")
+        name = "every-pass data parallel" if every_pass else mode_name(mode)
+        raise RuntimeError(f"netswarm failed for {name}: {done.stderr.strip()[-2000:]}")
     return json.loads(output.read_text())
 
 
@@ -144,6 +149,13 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--dp_lr", type=float, default=0.1, help="data parallelism's LAMB learning rate")
     parser.add_argument("--inner_lr", type=float, default=0.01, help="DiLoCo's inner LAMB learning rate")
+    parser.add_argument(
+        "--every_pass_samples",
+        type=int,
+        default=0,
+        help="also run data parallelism with a global step at every pass (the bytes goal's baseline) for this many "
+        "samples (0: not run; its rounds are slow on slow links, so it gets fewer samples than the others)",
+    )
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per netswarm run")
     parser.add_argument("--output_json", default=None, help="also write every mode's netswarm result here")
     parser.add_argument("--plot", default=None, help="write the loss curves as an SVG image here")
@@ -151,10 +163,13 @@ def main(argv=None) -> int:
     overlaps = {"off": [False], "on": [True], "both": [False, True]}[args.overlap]
     modes = [(0, False), *[(h, overlap) for h in args.inner_steps for overlap in overlaps]]
     results: dict[Mode, dict] = {}
+    every_pass = None
     with tempfile.TemporaryDirectory(prefix="bench-diloco-") as tmp:
         try:
             for mode in modes:
                 results[mode] = run_mode(args, mode, Path(tmp))
+            if args.every_pass_samples:
+                every_pass = run_mode(args, (0, False), Path(tmp), every_pass=True)
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
@@ -166,21 +181,31 @@ def main(argv=None) -> int:
         f"profile {args.profile}, {args.trainers} trainers, model {args.model}; loss over the last quarter of "
         f"{common:,} samples; first logged loss (data parallel) {dp['curve'][0]['loss']:.3f}\n"
     )
+    # bytes in training (to the last step, without the final round) against the baseline's: every-pass data
+    # parallelism when it ran, else the default data parallelism
+    base = every_pass if every_pass is not None else dp
     print(
-        "| mode | outer/global steps | bytes sent per sample | in training | vs data parallel | "
-        "compute utilization | with inner steps | loss | vs data parallel | parameters agree |"
+        "| mode | outer/global steps | bytes sent per sample | in training | vs "
+        f"{'every-pass ' if every_pass is not None else ''}data parallel (in training) | compute utilization | "
+        "with inner steps | loss | vs data parallel | parameters agree |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
-    for mode, result in sorted(results.items()):
-        loss = tail_loss(result["curve"], common)
-        name = mode_name(mode) + (" (DPU, fp16)" if mode[0] == 0 else " (int8)")
-        reduction = dp["bytes_per_sample"] / max(1e-9, result["bytes_per_sample"])
+    rows = [(mode_name(m) + (" (DPU, fp16)" if m[0] == 0 else " (int8)"), r) for m, r in sorted(results.items())]
+    if every_pass is not None:
+        rows.insert(0, ("every-pass data parallel (fp16)", every_pass))
+    for name, result in rows:
+        if result is every_pass:  # its loss over the last quarter of its own (fewer) samples
+            samples = every_pass["curve"][-1]["samples"]
+            loss_cells = f"{tail_loss(result['curve'], samples):.3f} (at {samples:,} samples) | |"
+        else:
+            loss = tail_loss(result["curve"], common)
+            loss_cells = f"{loss:.3f} | {loss / dp_loss - 1:+.1%} |"
+        reduction = base["training_bytes_per_sample"] / max(1e-9, result["training_bytes_per_sample"])
         print(
             f"| {name} | {result['global_steps']} | {result['bytes_per_sample']:,.0f} | "
             f"{result['training_bytes_per_sample']:,.0f} | "
-            f"{'1x' if mode[0] == 0 else f'{reduction:,.0f}x less'} | {result['compute_utilization']:.1%} | "
-            f"{result['training_utilization']:.1%} | "
-            f"{loss:.3f} | {loss / dp_loss - 1:+.1%} | {'yes' if result['parameters_agree'] else 'NO'} |"
+            f"{'1x' if result is base else f'{reduction:,.0f}x less'} | {result['compute_utilization']:.1%} | "
+            f"{result['training_utilization']:.1%} | {loss_cells} {'yes' if result['parameters_agree'] else 'NO'} |"
         )
     print("\nloss curves (the last step's loss at each point; every step below and in --plot):\n")
     print("\n".join(curve_table(results, common)))
@@ -193,7 +218,10 @@ def main(argv=None) -> int:
         svg_plot(results, Path(args.plot))
         print(f"\nplot: {args.plot}")
     if args.output_json:
-        Path(args.output_json).write_text(json.dumps({mode_name(k): v for k, v in results.items()}, indent=2))
+        everything = {mode_name(k): v for k, v in results.items()}
+        if every_pass is not None:
+            everything["every-pass data parallel"] = every_pass
+        Path(args.output_json).write_text(json.dumps(everything, indent=2))
     return 0
 
 

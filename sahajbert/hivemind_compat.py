@@ -1612,6 +1612,7 @@ class DiLoCoOptimizer(GuardedOptimizer):
         self.finish_outer_round()  # its result lands in the tensors the download replaces
         super().load_state_from_peers(**kwargs)
         self.inner_step = self.round_samples = 0  # the model is the swarm's outer parameters: a new round
+        self.read_ahead_from = None  # which reads ahead of its outer round again
 
     def inner_state_dict(self) -> dict:
         """The inner optimizer's state and this round's progress (its tensors are the live ones: copy to keep)."""

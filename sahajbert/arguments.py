@@ -394,7 +394,7 @@ class CollaborativeOptimizerArguments:
         default="8bit",
         metadata={
             "help": "DiLoCo: compression of the averaged pseudo-gradients (8bit: buckets around the mean, as "
-            "hivemind's Uniform8BitQuantization and INTELLECT-1's int8 all-reduce; fp16 for tensors under 1,024 "
+            "hivemind's Uniform8BitQuantization and INTELLECT-1's int8 all-reduce; fp16 for tensor parts under 1,033 "
             "values, where it takes fewer bytes).",
             "choices": ["none", "fp16", "8bit"],
         },

@@ -160,6 +160,8 @@ def main(argv=None) -> int:
     parser.add_argument("--output_json", default=None, help="also write every mode's netswarm result here")
     parser.add_argument("--plot", default=None, help="write the loss curves as an SVG image here")
     args = parser.parse_args(argv)
+    if args.every_pass_samples < 0:
+        parser.error(f"--every_pass_samples must be 0 (not run) or more, got {args.every_pass_samples}")
     overlaps = {"off": [False], "on": [True], "both": [False, True]}[args.overlap]
     modes = [(0, False), *[(h, overlap) for h in args.inner_steps for overlap in overlaps]]
     results: dict[Mode, dict] = {}

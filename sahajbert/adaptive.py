@@ -321,11 +321,16 @@ def plan_timing(
     )
 
 
-def refresh_period_for(step_seconds: float, ceiling: float, reads_per_step: int = 5) -> float:
+# DiLoCo: each trainer reads the swarm's progress ahead of every outer round of its own; the periodic read only
+# notices a round it missed, and each read returns every peer's signed record (~0.9 KB each): one every 3rd step
+DILOCO_READS_PER_STEP = 1 / 3
+
+
+def refresh_period_for(step_seconds: float, ceiling: float, reads_per_step: float = 5) -> float:
     """Read the swarm's progress at least `reads_per_step` times per global step, between 1 s and `ceiling`.
 
-    5 in synchronous training, where the samples the reads count start the global step; 1 in DiLoCo, where each
-    trainer reads ahead of its own outer rounds and the periodic read only notices a round it missed."""
+    5 in synchronous training, where the samples the reads count start the global step; DILOCO_READS_PER_STEP in
+    DiLoCo."""
     if not math.isfinite(step_seconds) or step_seconds <= 0:
         return ceiling
     return clamp(step_seconds / reads_per_step, (REFRESH_BOUNDS[0], max(REFRESH_BOUNDS[0], ceiling)))

@@ -272,9 +272,11 @@ def build_collaborative_optimizer(
 
 
 def is_finite(tensors) -> bool:
-    """True if every tensor is free of NaN and inf; one host sync for all (a trainer checks every pass), per device."""
-    checks: dict[torch.device, list[torch.Tensor]] = {}
+    """True if every tensor is free of NaN and inf, by its float32 sum: a NaN or an infinity makes the sum non-finite,
+    and so would a finite sum past 3.4e38, which no trainable tensor reaches. A trainer checks every pass: on the CPU a
+    sum is ~15x faster than `isfinite().all()`, which took 6% of a tiny DiLoCo trainer's time; one sync per device."""
+    sums: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
         if t is not None:
-            checks.setdefault(t.device, []).append(torch.isfinite(t).all())
-    return all(bool(torch.stack(found).all()) for found in checks.values())
+            sums.setdefault(t.device, []).append(t.sum(dtype=torch.float32))
+    return all(bool(torch.stack(found).isfinite().all()) for found in sums.values())

@@ -7,6 +7,7 @@ stream); `run()` is the training loop, read top to bottom; `train()` is the whol
 import copy
 import hashlib
 import logging
+import math
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -122,6 +123,7 @@ class TrainerPeer(SwarmPeer):
         self.output_dir = Path(training_args.output_dir)
         resume_from = checkpoints.latest_checkpoint(self.output_dir)
         self.model = self._build_model(resume_from, device_info)
+        self.model_parameters = list(self.model.parameters())  # checked at every pass: listed once
 
         self._join(swarm_args)
         self.batches: Prefetcher | None = None
@@ -264,7 +266,7 @@ class TrainerPeer(SwarmPeer):
         self.counters.compute_seconds += time.perf_counter() - started
         # never send non-finite gradients to the swarm (with fp16, hivemind's GradScaler does this check)
         if self.compute.scaler is None and not (
-            is_finite([torch.tensor(pass_loss)]) and is_finite(p.grad for p in self.model.parameters())
+            math.isfinite(pass_loss) and is_finite(p.grad for p in self.model_parameters)
         ):
             self.dropped_passes += 1
             self.optimizer.zero_grad(set_to_none=True)
@@ -349,11 +351,11 @@ class TrainerPeer(SwarmPeer):
             watch.start()
 
     def _follow_step_time(self) -> None:
-        """Read the swarm's progress at least 5 times per global step (DiLoCo: once), by the time the last one took."""
+        """Read the swarm's progress 5 times per global step (DiLoCo: every 3rd), by the time the last one took."""
         now = time.monotonic()
         if self.refresh_ceiling is None and self._last_step_time is not None:
             seconds = now - self._last_step_time
-            reads = 1 if compat.inner_round(self.optimizer) is not None else 5
+            reads = adaptive.DILOCO_READS_PER_STEP if compat.inner_round(self.optimizer) is not None else 5
             period = adaptive.refresh_period_for(seconds, adaptive.REFRESH_BOUNDS[1], reads)
             compat.set_refresh_period(self.optimizer, period)
         self._last_step_time = now

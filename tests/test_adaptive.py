@@ -10,6 +10,7 @@ import pytest
 from sahajbert import cli
 from sahajbert.adaptive import (
     AVERAGING_TIMEOUT_BOUNDS,
+    DILOCO_READS_PER_STEP,
     FALLBACK_LINK,
     LinkEstimate,
     LinkWatch,
@@ -81,8 +82,10 @@ def test_the_refresh_period_follows_the_step_time():
     assert refresh_period_for(2.0, 10.0) == 1.0
     assert refresh_period_for(600.0, 10.0) == 10.0
     assert refresh_period_for(float("nan"), 10.0) == 10.0
-    assert refresh_period_for(20.0, 10.0, reads_per_step=1) == 10.0  # DiLoCo: once per step, within the bounds
-    assert refresh_period_for(4.0, 10.0, reads_per_step=1) == 4.0
+    # DiLoCo: every 3rd step, within the bounds
+    assert refresh_period_for(20.0, 10.0, reads_per_step=DILOCO_READS_PER_STEP) == 10.0
+    assert refresh_period_for(2.0, 10.0, reads_per_step=DILOCO_READS_PER_STEP) == pytest.approx(6.0)
+    assert refresh_period_for(0.2, 10.0, reads_per_step=DILOCO_READS_PER_STEP) == 1.0
 
 
 def test_a_peer_that_started_earlier_has_the_higher_start_priority():

@@ -154,7 +154,12 @@ def lonely_optimizer(tokenizer):
 
 
 def lonely_diloco(
-    tokenizer, run_id: str, inner_steps: int = 3, averaging_timeout: float | None = None, overlap: bool = False
+    tokenizer,
+    run_id: str,
+    inner_steps: int = 3,
+    averaging_timeout: float | None = None,
+    overlap: bool = False,
+    max_steps: int | None = None,
 ):
     """A DiLoCo optimizer alone in its swarm, from the trainer's factory, and its DHT."""
     import hivemind
@@ -170,7 +175,7 @@ def lonely_diloco(
             diloco_inner_steps=inner_steps, diloco_wait=0, diloco_overlap=overlap
         ),
         training_args=LocalTrainingArguments(
-            per_device_train_batch_size=4, learning_rate=0.01, warmup_steps=1, total_steps=1000
+            per_device_train_batch_size=4, learning_rate=0.01, warmup_steps=1, total_steps=1000, max_steps=max_steps
         ),
     )
     return model, build_collaborative_optimizer(model, dht, peer_args), dht
@@ -384,6 +389,26 @@ def test_averaged_clipping_clips_what_lamb_applies():
     assert not all(torch.allclose(a, b, atol=1e-4) for a, b in zip(clipped, unclipped)), "clipping must matter here"
 
 
+def test_is_finite_finds_every_nan_and_infinity_and_nothing_else():
+    from sahajbert.optim import is_finite
+
+    config = AlbertConfig(
+        vocab_size=100, embedding_size=16, hidden_size=32, num_attention_heads=4, intermediate_size=64
+    )
+    model = AlbertForPreTraining(config)
+    tensors = [p.detach().clone() for p in model.parameters()] + [None, torch.zeros(0), torch.arange(5)]
+    assert is_finite(tensors)
+    # fp16 values whose fp16 sum would overflow (65,504) are finite
+    assert is_finite([torch.full((100,), 60000.0, dtype=torch.float16), torch.full((3,), 1e30, dtype=torch.float64)])
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for index in (0, len(tensors) // 2):
+            for dtype in (torch.float32, torch.float16, torch.bfloat16):
+                broken = list(tensors)
+                broken[index] = broken[index].to(dtype)
+                broken[index].view(-1)[-1] = bad
+                assert not is_finite(broken), (bad, index, dtype)
+
+
 @pytest.mark.parametrize("kind", ["UNIFORM_8BIT", "QUANTILE_8BIT"])
 def test_8bit_codecs_decode_what_they_encode(kind):
     """hivemind 1.1.12's own 8-bit decoders fail under numpy >= 2.4 (every received part was dropped); the adapter
@@ -525,9 +550,34 @@ def test_a_diloco_trainer_publishes_its_progress_once_per_round_not_at_every_inn
         assert tracker.local_progress.samples_accumulated == 8
         time.sleep(3)  # (the periodic report comes every 30 s)
         assert published() == (0, 4)
-        train_one_batch(model, optimizer)  # the outer step (alone): the new step is published
+        train_one_batch(model, optimizer)  # the outer step (alone): the new step waits for the next inner step
         assert optimizer.local_epoch == 1
-        wait_for(lambda: published() == (1, 0), 30, "the new step's report")
+        time.sleep(3)
+        assert published() == (0, 4)
+        train_one_batch(model, optimizer)  # the first inner step at the new step: published, one store per round
+        wait_for(lambda: published() == (1, 4), 30, "the new step's first report")
+    finally:
+        optimizer.shutdown()
+        dht.shutdown()
+
+
+def test_a_diloco_trainer_publishes_the_runs_last_step_at_once(tokenizer):
+    # no inner step follows the last outer step: the peers reading the swarm's step must see it from the epoch change
+    from sahajbert.localswarm import wait_for
+
+    model, optimizer, dht = lonely_diloco(tokenizer, "diloco-last", inner_steps=2, max_steps=1)
+    tracker = optimizer.tracker
+    try:
+        for _ in range(2):
+            train_one_batch(model, optimizer)
+        assert optimizer.local_epoch == 1
+
+        def published() -> tuple[int, int] | None:
+            found = dht.get(tracker.training_progress_key, latest=True)
+            record = found.value.get(tracker._local_public_key) if found is not None else None
+            return None if record is None else (record.value["epoch"], record.value["samples_accumulated"])
+
+        wait_for(lambda: published() == (1, 0), 30, "the last step's report")
     finally:
         optimizer.shutdown()
         dht.shutdown()

@@ -1,5 +1,6 @@
 """Per-peer training metrics in the DHT, signed and schema-checked, and their aggregation (a pure function)."""
 
+from collections import Counter
 from dataclasses import dataclass
 
 import hivemind
@@ -86,9 +87,15 @@ def declare_start(
 
 
 def fetch_starts(dht: hivemind.DHT, run_id: str) -> dict[str, str]:
-    """Each declaring trainer's initial-parameter digest, by its peer id (base58)."""
-    records = _valid_records(dht, f"{run_id}_start", StartRecord)
-    return {record.peer_id: record.parameters for record in records.values()}
+    """Each declaring trainer's initial-parameter digest, by its peer id (base58).
+
+    A record's signer (its process's RSA key) need not be the libp2p identity that the record names, so any peer can
+    name any trainer: a peer id that the records of more than one signer name is left out. A record naming another
+    trainer then costs at most a download (the trainer starting behind it takes the first trainer's parameters), and
+    never makes a trainer start from parameters other than the first one's."""
+    records = _valid_records(dht, f"{run_id}_start", StartRecord).values()
+    signers = Counter(record.peer_id for record in records)  # one record per signer (its subkey)
+    return {record.peer_id: record.parameters for record in records if signers[record.peer_id] == 1}
 
 
 def fetch_announced_step(dht: hivemind.DHT, run_id: str) -> int:

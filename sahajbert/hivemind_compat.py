@@ -9,6 +9,7 @@ round. Each function says what it relies on. After a hivemind upgrade, check the
 """
 
 import asyncio
+import contextlib
 import copy
 import heapq
 import logging
@@ -1318,13 +1319,19 @@ class BoundedProgressTracker(ProgressTracker):
         if start:
             self.start()
 
-    def note_local_progress(self, local_epoch: int, samples_accumulated: int) -> None:
-        """`report_local_progress`, published with the next report (not at once: one DHT store per call)."""
-        self.should_report_progress.held = True
+    @contextlib.contextmanager
+    def reports_held(self, held: bool = True):
+        """Within: each report stays local until the next publication (`held` False: published as usual)."""
+        self.should_report_progress.held = held
         try:
-            self.report_local_progress(local_epoch, samples_accumulated)
+            yield
         finally:
             self.should_report_progress.held = False
+
+    def note_local_progress(self, local_epoch: int, samples_accumulated: int) -> None:
+        """`report_local_progress`, published with the next report (not at once: one DHT store per call)."""
+        with self.reports_held():
+            self.report_local_progress(local_epoch, samples_accumulated)
 
     def _parse_swarm_progress_data(self, metadata):
         if isinstance(metadata, dict) and metadata:
@@ -1531,11 +1538,8 @@ class DiLoCoOptimizer(GuardedOptimizer):
         # the new step is published with the next inner step's report (`_report_progress`), except the run's last,
         # after which there is no inner step
         last = self.last_step is not None and self.local_epoch + 1 >= self.last_step
-        self.tracker.should_report_progress.held = not (last or self.auxiliary)
-        try:
+        with self.tracker.reports_held(not (last or self.auxiliary)):
             super()._update_global_epoch(grad_scaler)
-        finally:
-            self.tracker.should_report_progress.held = False
 
     def _read_ahead(self) -> None:
         """Halfway through a round, ask for the fresh read of the swarm's progress (its peers, its step) that the

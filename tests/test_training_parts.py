@@ -528,6 +528,13 @@ def test_an_overlapped_outer_round_runs_behind_the_next_inner_steps_which_keep_t
             torch.testing.assert_close(now.detach(), expected_outer + d, rtol=1e-4, atol=1e-6)
 
 
+def published_progress(dht, tracker) -> tuple[int, int] | None:
+    """(step, samples) of the tracker's own progress record as the DHT holds it; None if it holds none."""
+    found = dht.get(tracker.training_progress_key, latest=True)
+    record = found.value.get(tracker._local_public_key) if found is not None else None
+    return None if record is None else (record.value["epoch"], record.value["samples_accumulated"])
+
+
 def test_a_diloco_trainer_publishes_its_progress_once_per_round_not_at_every_inner_step(tokenizer):
     # the swarm reads a DiLoCo trainer's step and presence from its progress record; its samples start nothing, and
     # a DHT store at every inner step was most of what a trainer sent on a slow link
@@ -537,25 +544,19 @@ def test_a_diloco_trainer_publishes_its_progress_once_per_round_not_at_every_inn
 
     model, optimizer, dht = lonely_diloco(tokenizer, "diloco-quiet")
     tracker = optimizer.tracker
-
-    def published() -> tuple[int, int] | None:  # (step, samples) of this peer's record in the DHT
-        found = dht.get(tracker.training_progress_key, latest=True)
-        record = found.value.get(tracker._local_public_key) if found is not None else None
-        return None if record is None else (record.value["epoch"], record.value["samples_accumulated"])
-
     try:
         train_one_batch(model, optimizer)  # a round's first inner step: published
-        wait_for(lambda: published() == (0, 4), 30, "the round's first report")
+        wait_for(lambda: published_progress(dht, tracker) == (0, 4), 30, "the round's first report")
         train_one_batch(model, optimizer)  # kept local
         assert tracker.local_progress.samples_accumulated == 8
         time.sleep(3)  # (the periodic report comes every 30 s)
-        assert published() == (0, 4)
+        assert published_progress(dht, tracker) == (0, 4)
         train_one_batch(model, optimizer)  # the outer step (alone): the new step waits for the next inner step
         assert optimizer.local_epoch == 1
         time.sleep(3)
-        assert published() == (0, 4)
+        assert published_progress(dht, tracker) == (0, 4)
         train_one_batch(model, optimizer)  # the first inner step at the new step: published, one store per round
-        wait_for(lambda: published() == (1, 4), 30, "the new step's first report")
+        wait_for(lambda: published_progress(dht, tracker) == (1, 4), 30, "the new step's first report")
     finally:
         optimizer.shutdown()
         dht.shutdown()
@@ -571,13 +572,7 @@ def test_a_diloco_trainer_publishes_the_runs_last_step_at_once(tokenizer):
         for _ in range(2):
             train_one_batch(model, optimizer)
         assert optimizer.local_epoch == 1
-
-        def published() -> tuple[int, int] | None:
-            found = dht.get(tracker.training_progress_key, latest=True)
-            record = found.value.get(tracker._local_public_key) if found is not None else None
-            return None if record is None else (record.value["epoch"], record.value["samples_accumulated"])
-
-        wait_for(lambda: published() == (1, 0), 30, "the last step's report")
+        wait_for(lambda: published_progress(dht, tracker) == (1, 0), 30, "the last step's report")
     finally:
         optimizer.shutdown()
         dht.shutdown()

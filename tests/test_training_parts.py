@@ -1,11 +1,13 @@
 """The parts a trainer is built from: presets, LAMB, schedule, rollback, checkpoints, precision, metrics."""
 
+import asyncio
 import contextlib
 import json
 import math
 import runpy
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -528,6 +530,25 @@ def test_an_overlapped_outer_round_runs_behind_the_next_inner_steps_which_keep_t
             torch.testing.assert_close(now.detach(), expected_outer + d, rtol=1e-4, atol=1e-6)
 
 
+def test_an_overlapping_diloco_trainer_goes_on_with_inner_steps_while_its_round_waits_for_a_slower_peer(tokenizer):
+    # a round still in flight at the next H-th inner step (it waits for a slower peer) is not waited for: the inner
+    # steps go on until it ends, at the latest the 2H-th, and the next round, sent then, carries them all
+    from sahajbert import hivemind_compat as compat
+
+    with diloco_with_an_absent_peer(tokenizer, "diloco-go-on", overlap=True) as (model, optimizer, _):
+        train_one_batch(model, optimizer)  # the 3rd inner step: the round is sent; it looks for the peer for 1 + 3 s
+        for _ in range(2):
+            train_one_batch(model, optimizer)
+        assert optimizer.round_in_flight, "the round still looks for the absent peer"
+        assert not compat.step_would_be_global(optimizer, 4), "the H-th step starts no round while one is in flight"
+        train_one_batch(model, optimizer)  # the H-th
+        assert optimizer.round_in_flight and optimizer.local_epoch == 0 and optimizer.inner_step == 3, "it waited"
+        for _ in range(3):  # up to the 2H-th, which waits for the round to fail, then sends the next round
+            train_one_batch(model, optimizer)
+        assert optimizer.local_epoch == 1 and optimizer.round_in_flight and optimizer.inner_step == 0
+        assert optimizer.scheduled_grads.weight == 6 * 4, "the round weighs the samples of the 2H inner steps"
+
+
 def published_progress(dht, tracker) -> tuple[int, int] | None:
     """(step, samples) of the tracker's own progress record as the DHT holds it; None if it holds none."""
     found = dht.get(tracker.training_progress_key, latest=True)
@@ -604,6 +625,86 @@ def test_a_diloco_trainer_reads_the_swarm_ahead_of_its_outer_round_and_does_not_
         assert not compat.read_progress_now(optimizer, timeout=0), "without a read ahead, the read is waited for"
     finally:
         optimizer.shutdown()
+        dht.shutdown()
+
+
+def test_an_overlapping_diloco_trainer_reads_ahead_while_its_last_round_is_still_in_flight(tokenizer):
+    # with overlap, a round is often still in flight halfway through the next one: the read for the next outer round
+    # is asked for then too, and the H-th step does not wait for it (asked only once the round had ended, it often
+    # came in after the H-th step, which then waited for it)
+    from sahajbert import hivemind_compat as compat
+    from sahajbert.localswarm import wait_for
+
+    with diloco_with_an_absent_peer(tokenizer, "diloco-read-in-flight", overlap=True) as (model, optimizer, _):
+        train_one_batch(model, optimizer)  # the 3rd inner step: the first round is sent, and fails (nobody comes)
+        wait_for(lambda: optimizer.scheduled_grads.done(), 60, "the first round to fail")
+        for _ in range(3):  # its outer step at the first, the second round sent at the third
+            train_one_batch(model, optimizer)
+        assert optimizer.local_epoch == 1 and optimizer.round_in_flight
+        train_one_batch(model, optimizer)  # halfway (1 of 3), the round sent 1 s before its matchmaking begins
+        assert optimizer.round_in_flight, "the round is still looking for the absent peer"
+        assert optimizer.read_ahead_from is not None, "the read is asked for while the round is in flight"
+        wait_for(lambda: optimizer.read_ahead_came_in, 30, "the read asked for halfway")
+        assert compat.read_progress_now(optimizer, timeout=0), "no wait at the H-th step"
+
+
+class HeldReads:
+    """hivemind's DHT, whose awaited reads (the tracker's fetcher's) each wait until the test lets one through: a read
+    over a slow link."""
+
+    def __init__(self, dht):
+        self.dht, self.begun, self.gate = dht, 0, threading.Semaphore(0)
+
+    def __getattr__(self, name):
+        return getattr(self.dht, name)
+
+    async def _held_get(self, *args, **kwargs):
+        self.begun += 1
+        await asyncio.get_running_loop().run_in_executor(None, self.gate.acquire)
+        return await self.dht.get(*args, **kwargs)
+
+    def get(self, *args, return_future: bool = False, **kwargs):
+        if not return_future:  # not the tracker's fetcher: at once
+            return self.dht.get(*args, **kwargs)
+        return self._held_get(*args, return_future=True, **kwargs)
+
+
+def test_a_step_change_does_not_wait_for_a_progress_read_and_the_read_it_overtook_is_made_again():
+    # a progress read over a slow link held the tracker's lock throughout, and a step change (`pause_updates`) waited
+    # it out; hivemind's optimizer checks its sync on the first read after a step change, which must begin after it
+    import hivemind
+
+    from sahajbert import hivemind_compat as compat
+    from sahajbert.localswarm import wait_for
+
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    reads = HeldReads(dht)
+    # no periodic read: each read is one the test asked for
+    periods = dict(min_refresh_period=600, max_refresh_period=600, default_refresh_period=600)
+    tracker = compat.BoundedProgressTracker(dht=reads, prefix="held-read", target_batch_size=64, start=True, **periods)
+    fetched = tracker.fetched_global_progress_this_epoch
+    try:
+        compat.request_progress_read(tracker)
+        reads.gate.release()
+        wait_for(fetched.is_set, 60, "the first read")
+        begun = reads.begun
+        compat.request_progress_read(tracker)
+        wait_for(lambda: reads.begun == begun + 1, 60, "the next read to begin")
+        assert tracker.lock_global_progress.acquire(timeout=30), "the step change waits for the read in flight"
+        try:
+            tracker.update_epoch(1)
+        finally:
+            tracker.lock_global_progress.release()
+        reads.gate.release()  # the read the step change overtook ends, and is made again
+        wait_for(lambda: reads.begun == begun + 2, 60, "the read made again")
+        assert not fetched.is_set(), "what the overtaken read found was taken in"
+        reads.gate.release()
+        wait_for(fetched.is_set, 60, "the read made again")
+        assert tracker.global_progress.epoch == 1
+    finally:
+        for _ in range(10):
+            reads.gate.release()
+        tracker.shutdown()
         dht.shutdown()
 
 

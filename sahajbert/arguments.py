@@ -406,8 +406,8 @@ class CollaborativeOptimizerArguments:
             "add the outer step to the parameters when the round ends, keeping the inner progress made meanwhile "
             "(a one-round delay, as Streaming DiLoCo's overlap): the round's time is hidden behind compute, at the "
             "cost of an outer step one round stale. A round still in flight at the next H-th inner step is not "
-            "waited for: the inner steps go on until it ends (up to 2H) and the next round carries them all. Off: "
-            "every trainer waits for its round after its inner steps."
+            "waited for: the inner steps go on until it ends (up to H + H/10) and the next round carries them all. "
+            "Off: every trainer waits for its round after its inner steps."
         },
     )
     diloco_wait: float = field(

@@ -71,10 +71,10 @@ def test_two_diloco_trainers_learn_agree_and_take_in_a_newcomer(tmp_path):
     for i in range(3):
         assert list_checkpoints(tmp_path / f"t{i}")[-1][0] == STEPS
     # (with overlap a step ends when its round does, some inner steps into the next, and a trainer whose round is
-    # still in flight at its H-th inner step goes on with inner steps until it ends, up to 2H)
+    # still in flight at its H-th inner step goes on with inner steps until it ends, up to H + H/10)
     steps_made = [[r.mini_steps for r in log] for log in logs]
     assert sum(passes == INNER for passes in steps_made[0]) >= 0.8 * len(steps_made[0]), steps_made
-    assert 0.8 * STEPS * INNER <= sum(steps_made[1]) <= (STEPS + 1) * 2 * INNER, steps_made
+    assert 0.8 * STEPS * INNER <= sum(steps_made[1]) <= (STEPS + 1) * (INNER + INNER // 10), steps_made
     # the records keep the time the inner optimizer steps took (netswarm's training utilization)
     assert all(sum(r.optimizer_seconds for r in log) > 0 for log in logs), logs
     # the overlapping trainers ran inner steps while their rounds averaged

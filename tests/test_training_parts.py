@@ -532,7 +532,8 @@ def test_an_overlapped_outer_round_runs_behind_the_next_inner_steps_which_keep_t
 
 def test_an_overlapping_diloco_trainer_goes_on_with_inner_steps_while_its_round_waits_for_a_slower_peer(tokenizer):
     # a round still in flight at the next H-th inner step (it waits for a slower peer) is not waited for: the inner
-    # steps go on until it ends, at the latest the 2H-th, and the next round, sent then, carries them all
+    # steps go on until it ends, at the latest the (H + H/10)-th (at least H + 1), and the next round, sent then,
+    # carries them all
     from sahajbert import hivemind_compat as compat
 
     with diloco_with_an_absent_peer(tokenizer, "diloco-go-on", overlap=True) as (model, optimizer, _):
@@ -543,10 +544,9 @@ def test_an_overlapping_diloco_trainer_goes_on_with_inner_steps_while_its_round_
         assert not compat.step_would_be_global(optimizer, 4), "the H-th step starts no round while one is in flight"
         train_one_batch(model, optimizer)  # the H-th
         assert optimizer.round_in_flight and optimizer.local_epoch == 0 and optimizer.inner_step == 3, "it waited"
-        for _ in range(3):  # up to the 2H-th, which waits for the round to fail, then sends the next round
-            train_one_batch(model, optimizer)
+        train_one_batch(model, optimizer)  # the (H + 1)-th: it waits for the round to fail, then sends the next
         assert optimizer.local_epoch == 1 and optimizer.round_in_flight and optimizer.inner_step == 0
-        assert optimizer.scheduled_grads.weight == 6 * 4, "the round weighs the samples of the 2H inner steps"
+        assert optimizer.scheduled_grads.weight == 4 * 4, "the round weighs the samples of its H + 1 inner steps"
 
 
 def published_progress(dht, tracker) -> tuple[int, int] | None:

@@ -1466,8 +1466,8 @@ class DiLoCoOptimizer(GuardedOptimizer):
     until it ends, and the next round, sent then, carries them all (the rounds weigh each pseudo-gradient by its
     samples), so a faster peer computes where it would have idled. From `most_inner_steps` on (H + H/10, at least
     H + 1) the round is waited for: peers on alike hardware differ by a few percent in pace, and an outer step stays
-    within 10% of H inner steps. (Up to 2H, a round that takes longer than H inner steps made every outer step one
-    of 2H: at H = 10 on slow links it trained twice the samples per step, and its loss rose from ~13,000 samples.)
+    within 10% of H inner steps (where a round outlasts them, at small H on slow links, a looser bound would make
+    every outer step one of more inner steps than H, and the one-round delay's loss worse).
 
     `inner_optimizer`: a factory over the parameter groups; `inner_lr(step)`: its learning rate at an inner step,
     counted over the run (global step x H + the inner steps since); `wait`: seconds a peer that made its H steps

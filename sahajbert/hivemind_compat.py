@@ -1322,8 +1322,10 @@ class BoundedProgressTracker(ProgressTracker):
     async def _progress_fetcher(self):
         """hivemind's fetcher, holding `lock_global_progress` only to take in what it read, not over the DHT read:
         a step change (`pause_updates` takes the lock) waited out whole reads over slow links, 3.4% of a tiny DiLoCo
-        trainer's time at H = 50 with overlap. A read that a step change overtook is made again at once: hivemind's
-        optimizer checks that this peer is in sync on the first read after a change, which must begin after it."""
+        trainer's time at H = 50 with overlap. A read that a step change overtook is taken in (peers, their steps)
+        but not as this step's read, and another is made at once: hivemind's optimizer checks that this peer is in
+        sync on the first read after a change (`fetched_global_progress_this_epoch`), which must begin after it.
+        (Dropped instead, a peer whose steps come faster than its reads would never take one in.)"""
         loop = asyncio.get_event_loop()
         shutdown = asyncio.ensure_future(loop.run_in_executor(None, self.shutdown_triggered.wait))
         try:
@@ -1339,11 +1341,12 @@ class BoundedProgressTracker(ProgressTracker):
                     break
                 found = await read
                 async with enter_asynchronously(self.lock_global_progress):
-                    if self._epoch_updates != updates:
-                        continue  # the fetch time has passed: read again at once
                     metadata = found.value if isinstance(found, ValueWithExpiration) else None
                     self.global_progress = self._parse_swarm_progress_data(metadata)
-                    self.fetched_global_progress_this_epoch.set()
+                    if self._epoch_updates == updates:
+                        self.fetched_global_progress_this_epoch.set()
+                    else:
+                        self.global_progress.next_fetch_time = get_dht_time()
         finally:
             logger.log(self.status_loglevel, f"No longer fetching {self.training_progress_key}")
 

@@ -5,6 +5,7 @@ A clean run of the two honest trainers comes first (it also checks what a plain 
 honest trainers keep their identities (so their data order) in every run.
 """
 
+import os
 import re
 import signal
 from pathlib import Path
@@ -24,7 +25,11 @@ pytestmark = pytest.mark.slow
 STEPS = 9
 # a small batch, so that a step takes seconds and every peer, the attacker included, takes part in most rounds
 COMMON = ["--max_steps", str(STEPS), "--target_batch_size", "96", "--final_averaging_window", "20"]
-PHASE_WAIT = 120.0  # seconds for an attack to show in the honest trainers' logs
+# an attack must show in the honest trainers' logs within this many of the attacker's gradient rounds with both of
+# them (on an idle machine each attack shows in its first or second); the seconds only bound a run that stopped
+# making rounds, since how long a round takes depends on the machine's load
+PHASE_ROUNDS = 8
+PHASE_WAIT = 600.0
 # The attacked run has no fixed end: it goes on until every attack has reached the honest trainers, and the test
 # then stops it with SIGTERM once they have made AFTER_ATTACKS more global steps (and passed the clean run's last
 # step, which it is compared at). How many steps the attacks take depends on the machine's load (on an idle machine
@@ -82,11 +87,28 @@ def run_the_attacks(phase_file: Path, bad: PeerProcess, run: list[PeerProcess], 
     def seen(*lines: str):
         return lambda: all(any(re.search(line, peer.output()) for peer in run) for line in lines)
 
-    def more_rounds_than(before: int):
-        return lambda: bad.output().count("attacker: gradient round") > before
+    def rounds() -> int:
+        return bad.output().count("attacker: gradient round")
 
-    def landed_or_ended(reached):
-        return lambda: reached() or not all(peer.running() for peer in run)
+    def more_rounds_than(before: int):
+        return lambda: rounds() > before
+
+    def ended() -> bool:
+        return not all(peer.running() for peer in [*run, bad])
+
+    def over(reached, before: int):
+        return lambda: reached() or ended() or rounds() > before + PHASE_ROUNDS
+
+    def switch_to(phase: str) -> None:
+        # the attacker reads the file at every pass: written in place, a read can catch it empty (an attacker died of
+        # that, and the wait for its attack to land timed out)
+        staged = phase_file.with_name(phase_file.name + ".new")
+        staged.write_text(phase)
+        os.replace(staged, phase_file)
+
+    def tails() -> str:
+        logs = {"attacker": bad.output(), **{f"honest {i}": peer.output() for i, peer in enumerate(run)}}
+        return "".join(f"\n--- {name}:\n" + "\n".join(out.splitlines()[-25:]) for name, out in logs.items())
 
     plan = [
         (
@@ -104,12 +126,20 @@ def run_the_attacks(phase_file: Path, bad: PeerProcess, run: list[PeerProcess], 
     for phase, reached in plan:
         if seen(left_out)():
             break
+        before = rounds()
         if reached is None:  # no log line tells a sign flip: one more of its rounds with both honest trainers
-            reached = more_rounds_than(bad.output().count("attacker: gradient round"))
-        phase_file.write_text(phase)
+            reached = more_rounds_than(before)
+        switch_to(phase)
         done.append(phase)
-        wait_for(landed_or_ended(reached), PHASE_WAIT, f"the {phase} attack to land")
-        assert reached(), f"the {phase} attack did not reach the honest trainers before they ended"
+        try:
+            wait_for(over(reached, before), PHASE_WAIT, f"the {phase} attack to land")
+        except TimeoutError as error:
+            raise AssertionError(f"{error}: {rounds() - before} attacker round(s) since it began{tails()}") from None
+        assert bad.running(), f"the attacker exited during the {phase} attack{tails()}"
+        assert reached(), (
+            f"the {phase} attack did not reach the honest trainers in the attacker's {rounds() - before} gradient "
+            f"round(s) with both since it began, or they ended{tails()}"
+        )
     return done
 
 

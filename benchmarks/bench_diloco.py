@@ -1,19 +1,20 @@
 #!/usr/bin/env python
 """DiLoCo against synchronous data parallelism on slow links, side by side: bytes per sample, compute, loss.
 
-Each mode is one run of benchmarks/netswarm.py (network namespaces, every trainer on the --profile link, `slow`:
-20/5 Mbit/s) with the same trainers, model and total samples: data parallelism (delayed updates, fp16 gradients and
+Each mode is one run of benchmarks/netswarm.py (network namespaces, every trainer on the --profile link, `slow`: 20/5
+Mbit/s) with the same trainers, model and total samples: data parallelism (delayed updates, fp16 gradients and
 parameters every global step of --target_batch_size samples) and DiLoCo at each H of --inner_steps (int8
 pseudo-gradients once per H inner steps of each trainer). The learning rates are constant after one warm-up step
-(--total_steps far away) so that the horizons compare: --dp_lr for data parallelism's LAMB (its batch is the
-swarm's), --inner_lr for DiLoCo's inner LAMB (its batch is one trainer's pass). "loss" is the swarm's mean loss over
-the last quarter of the samples every mode trained; its ratio to data parallelism's is the goal's measure. Bytes
-are every trainer's, from the moment all train to the end ("in training": to the swarm's last step, without the final
-parameter round, which sends parameters and optimizer state once per run). "compute utilization" is forward and
-backward seconds over wall seconds; "with inner steps" adds DiLoCo's inner optimizer steps, the rest of a trainer's
-own work (data parallelism's optimizer steps with the swarm's, once per global step). With --every_pass_samples,
-data parallelism with a global step at every pass runs too, for fewer samples (its rounds take seconds each on slow
-links): the bytes goal's baseline, which the reduction column then divides by.
+(--total_steps far away) so that the horizons compare, or with --decay fall linearly to 0 over the run (as a real
+run's schedule does over --total_steps): --dp_lr for data parallelism's LAMB (its batch is the swarm's), --inner_lr
+for DiLoCo's inner LAMB (its batch is one trainer's pass); DiLoCo's outer learning rate is constant in both. "loss"
+is the swarm's mean loss over the last quarter of the samples every mode trained; its ratio to data parallelism's is
+the goal's measure. Bytes are every trainer's, from the moment all train to the end ("in training": to the swarm's
+last step, without the final parameter round, which sends parameters and optimizer state once per run). "compute
+utilization" is forward and backward seconds over wall seconds; "with inner steps" adds DiLoCo's inner optimizer
+steps, the rest of a trainer's own work (data parallelism's optimizer steps with the swarm's, once per global step).
+With --every_pass_samples, data parallelism with a global step at every pass runs too, for fewer samples (its rounds
+take seconds each on slow links): the bytes goal's baseline, which the reduction column then divides by.
 
     sudo python benchmarks/bench_diloco.py --profile slow --samples 12288 --inner_steps 10 50 200 \
         --plot benchmarks/diloco_curves.svg
@@ -53,7 +54,9 @@ def run_mode(args, mode: Mode, work: Path, every_pass: bool = False) -> dict:
     output = work / ("every_pass.json" if every_pass else f"h{inner_steps}{'o' if overlap else ''}.json")
     command = [sys.executable, str(ROOT / "benchmarks" / "netswarm.py"), "--profile", args.profile]
     command += ["--trainers", str(args.trainers), "--max_steps", str(steps), "--model", args.model]
-    command += ["--target_batch_size", str(target_batch_size), "--total_steps", str(FAR)]
+    # the schedule counts global steps in data parallelism and inner steps in DiLoCo
+    total_steps = steps * max(1, inner_steps) if args.decay else FAR
+    command += ["--target_batch_size", str(target_batch_size), "--total_steps", str(total_steps)]
     command += ["--timeout", str(args.timeout), "--output_json", str(output)]
     if inner_steps:
         command += ["--diloco_inner_steps", str(inner_steps), "--learning_rate", str(args.inner_lr)]
@@ -149,6 +152,11 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--dp_lr", type=float, default=0.1, help="data parallelism's LAMB learning rate")
     parser.add_argument("--inner_lr", type=float, default=0.01, help="DiLoCo's inner LAMB learning rate")
+    parser.add_argument(
+        "--decay",
+        action="store_true",
+        help="both learning rates fall linearly to 0 over each run (default: constant after one warm-up step)",
+    )
     parser.add_argument(
         "--every_pass_samples",
         type=int,

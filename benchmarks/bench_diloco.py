@@ -13,8 +13,12 @@ the goal's measure. Bytes are every trainer's, from the moment all train to the 
 last step, without the final parameter round, which sends parameters and optimizer state once per run). "compute
 utilization" is forward and backward seconds over wall seconds; "with inner steps" adds DiLoCo's inner optimizer
 steps, the rest of a trainer's own work (data parallelism's optimizer steps with the swarm's, once per global step).
-With --every_pass_samples, data parallelism with a global step at every pass runs too, for fewer samples (its rounds
-take seconds each on slow links): the bytes goal's baseline, which the reduction column then divides by.
+With --step_matched_samples, data parallelism whose global step is as large per trainer as a DiLoCo inner step (BATCH
+samples) runs too, for fewer samples (its rounds take seconds each on slow links): the bytes goal's baseline ("fp16
+gradients and parameters every step" against int8 once per H steps), which the reduction column then divides by. Its
+passes are BATCH / trainers samples and its target BATCH: a hivemind trainer counts its own samples toward the
+swarm's batch at once and the others' only once it reads them, so each steps after about its own BATCH samples
+(with passes of BATCH and a target of trainers x BATCH it stepped after ~2.1 passes, twice a DiLoCo inner step).
 
     sudo python benchmarks/bench_diloco.py --profile slow --samples 12288 --inner_steps 10 50 200 \
         --plot benchmarks/diloco_curves.svg
@@ -43,17 +47,25 @@ def mode_name(mode: Mode) -> str:
     return f"DiLoCo H={inner_steps}" + (", overlapped" if overlap else "")
 
 
-def run_mode(args, mode: Mode, work: Path, every_pass: bool = False) -> dict:
+def run_mode(args, mode: Mode, work: Path, matched: bool = False) -> dict:
     """One netswarm run; its JSON result. DiLoCo's --max_steps: outer steps to reach --samples with every trainer's
-    H passes of BATCH samples. `every_pass`: data parallelism with a global step at every pass of every trainer
-    (--every_pass_samples of them, at --inner_lr: its batch is the trainers' passes)."""
+    H passes of BATCH samples. `matched`: data parallelism with a global step per BATCH samples of each trainer
+    (--step_matched_samples of them, at --inner_lr: its batch is the trainers' inner-step batches)."""
     inner_steps, overlap = mode
-    target_batch_size = args.trainers * BATCH if every_pass else args.target_batch_size
-    per_step = target_batch_size if inner_steps == 0 else args.trainers * inner_steps * BATCH
-    steps = math.ceil((args.every_pass_samples if every_pass else args.samples) / per_step)
-    output = work / ("every_pass.json" if every_pass else f"h{inner_steps}{'o' if overlap else ''}.json")
+    per_pass = max(1, BATCH // args.trainers) if matched else BATCH
+    target_batch_size = args.trainers * per_pass if matched else args.target_batch_size
+    per_step = (
+        args.trainers * BATCH
+        if matched
+        else target_batch_size
+        if inner_steps == 0
+        else args.trainers * inner_steps * BATCH
+    )
+    steps = math.ceil((args.step_matched_samples if matched else args.samples) / per_step)
+    output = work / ("matched.json" if matched else f"h{inner_steps}{'o' if overlap else ''}.json")
     command = [sys.executable, str(ROOT / "benchmarks" / "netswarm.py"), "--profile", args.profile]
     command += ["--trainers", str(args.trainers), "--max_steps", str(steps), "--model", args.model]
+    command += ["--per_device_train_batch_size", str(per_pass)]
     # the schedule counts global steps in data parallelism and inner steps in DiLoCo
     total_steps = steps * max(1, inner_steps) if args.decay else FAR
     command += ["--target_batch_size", str(target_batch_size), "--total_steps", str(total_steps)]
@@ -62,11 +74,11 @@ def run_mode(args, mode: Mode, work: Path, every_pass: bool = False) -> dict:
         command += ["--diloco_inner_steps", str(inner_steps), "--learning_rate", str(args.inner_lr)]
         command += ["--diloco_overlap"] if overlap else []
     else:
-        command += ["--learning_rate", str(args.inner_lr if every_pass else args.dp_lr)]
+        command += ["--learning_rate", str(args.inner_lr if matched else args.dp_lr)]
     print("running:", " ".join(command[1:]), flush=True)
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
-        name = "every-pass data parallel" if every_pass else mode_name(mode)
+        name = "step-matched data parallel" if matched else mode_name(mode)
         raise RuntimeError(f"netswarm failed for {name}: {done.stderr.strip()[-2000:]}")
     return json.loads(output.read_text())
 
@@ -158,28 +170,29 @@ def main(argv=None) -> int:
         help="both learning rates fall linearly to 0 over each run (default: constant after one warm-up step)",
     )
     parser.add_argument(
-        "--every_pass_samples",
+        "--step_matched_samples",
         type=int,
         default=0,
-        help="also run data parallelism with a global step at every pass (the bytes goal's baseline) for this many "
-        "samples (0: not run; its rounds are slow on slow links, so it gets fewer samples than the others)",
+        help="also run data parallelism with a global step per inner step's samples of each trainer (the bytes "
+        "goal's baseline) for this many samples (0: not run; its rounds are slow on slow links, so it gets fewer "
+        "samples than the others)",
     )
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per netswarm run")
     parser.add_argument("--output_json", default=None, help="also write every mode's netswarm result here")
     parser.add_argument("--plot", default=None, help="write the loss curves as an SVG image here")
     args = parser.parse_args(argv)
-    if args.every_pass_samples < 0:
-        parser.error(f"--every_pass_samples must be 0 (not run) or more, got {args.every_pass_samples}")
+    if args.step_matched_samples < 0:
+        parser.error(f"--step_matched_samples must be 0 (not run) or more, got {args.step_matched_samples}")
     overlaps = {"off": [False], "on": [True], "both": [False, True]}[args.overlap]
     modes = [(0, False), *[(h, overlap) for h in args.inner_steps for overlap in overlaps]]
     results: dict[Mode, dict] = {}
-    every_pass = None
+    matched = None
     with tempfile.TemporaryDirectory(prefix="bench-diloco-") as tmp:
         try:
             for mode in modes:
                 results[mode] = run_mode(args, mode, Path(tmp))
-            if args.every_pass_samples:
-                every_pass = run_mode(args, (0, False), Path(tmp), every_pass=True)
+            if args.step_matched_samples:
+                matched = run_mode(args, (0, False), Path(tmp), matched=True)
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
@@ -191,31 +204,34 @@ def main(argv=None) -> int:
         f"profile {args.profile}, {args.trainers} trainers, model {args.model}; loss over the last quarter of "
         f"{common:,} samples; first logged loss (data parallel) {dp['curve'][0]['loss']:.3f}\n"
     )
-    # bytes in training (to the last step, without the final round) against the baseline's: every-pass data
+    # bytes in training (to the last step, without the final round) against the baseline's: step-matched data
     # parallelism when it ran, else the default data parallelism
-    base = every_pass if every_pass is not None else dp
+    base = matched if matched is not None else dp
     print(
-        "| mode | outer/global steps | bytes sent per sample | in training | vs "
-        f"{'every-pass ' if every_pass is not None else ''}data parallel (in training) | compute utilization | "
-        "with inner steps | loss | vs data parallel | parameters agree |"
+        "| mode | outer/global steps | samples per trainer per step | bytes sent per sample | in training | vs "
+        f"{'step-matched ' if matched is not None else ''}data parallel (in training) | compute utilization | "
+        "with inner steps | failed rounds | loss | vs data parallel | parameters agree |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     rows = [(mode_name(m) + (" (DPU, fp16)" if m[0] == 0 else " (int8)"), r) for m, r in sorted(results.items())]
-    if every_pass is not None:
-        rows.insert(0, ("every-pass data parallel (fp16)", every_pass))
+    if matched is not None:
+        rows.insert(0, ("step-matched data parallel (DPU, fp16)", matched))
     for name, result in rows:
-        if result is every_pass:  # its loss over the last quarter of its own (fewer) samples
-            samples = every_pass["curve"][-1]["samples"]
+        # a DiLoCo step is an outer step: H inner steps of each trainer
+        per_step = result["curve"][-1]["samples"] / max(1, result["global_steps"]) / args.trainers
+        if result is matched:  # its loss over the last quarter of its own (fewer) samples
+            samples = matched["curve"][-1]["samples"]
             loss_cells = f"{tail_loss(result['curve'], samples):.3f} (at {samples:,} samples) | |"
         else:
             loss = tail_loss(result["curve"], common)
             loss_cells = f"{loss:.3f} | {loss / dp_loss - 1:+.1%} |"
         reduction = base["training_bytes_per_sample"] / max(1e-9, result["training_bytes_per_sample"])
         print(
-            f"| {name} | {result['global_steps']} | {result['bytes_per_sample']:,.0f} | "
+            f"| {name} | {result['global_steps']} | {per_step:,.1f} | {result['bytes_per_sample']:,.0f} | "
             f"{result['training_bytes_per_sample']:,.0f} | "
             f"{'1x' if result is base else f'{reduction:,.0f}x less'} | {result['compute_utilization']:.1%} | "
-            f"{result['training_utilization']:.1%} | {loss_cells} {'yes' if result['parameters_agree'] else 'NO'} |"
+            f"{result['training_utilization']:.1%} | {result['failed_rounds']} | {loss_cells} "
+            f"{'yes' if result['parameters_agree'] else 'NO'} |"
         )
     print("\nloss curves (the last step's loss at each point; every step below and in --plot):\n")
     print("\n".join(curve_table(results, common)))
@@ -229,8 +245,8 @@ def main(argv=None) -> int:
         print(f"\nplot: {args.plot}")
     if args.output_json:
         everything = {mode_name(k): v for k, v in results.items()}
-        if every_pass is not None:
-            everything["every-pass data parallel"] = every_pass
+        if matched is not None:
+            everything["step-matched data parallel"] = matched
         Path(args.output_json).write_text(json.dumps(everything, indent=2))
     return 0
 

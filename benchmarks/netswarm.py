@@ -285,6 +285,7 @@ def trainer_args(args, run_id: str, initial_peers: list[str], ip: str, output_di
         host=ip,
         model=args.model,
         target_batch_size=args.target_batch_size,
+        per_device_train_batch_size=args.per_device_train_batch_size,
         max_steps=args.max_steps,
         compression=args.compression,
         save_steps=args.max_steps,
@@ -782,6 +783,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max_steps", type=int, default=12, help="global steps the run trains for")
     parser.add_argument("--target_batch_size", type=int, default=384, help="samples per global step")
     parser.add_argument("--model", default="tiny", help="model preset")
+    parser.add_argument("--per_device_train_batch_size", type=int, default=8, help="samples per pass of every trainer")
     parser.add_argument(
         "--diloco_inner_steps",
         type=int,

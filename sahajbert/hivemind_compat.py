@@ -371,11 +371,6 @@ def _matching(scheduled: StepControl | None) -> bool:
     return scheduled is not None and not scheduled.done() and scheduled.stage in MATCHING_STAGES
 
 
-def _pending(scheduled: StepControl | None) -> bool:
-    """A round scheduled ahead and not yet begun: still looking for its group, or formed and waiting for this peer."""
-    return scheduled is not None and not scheduled.done() and not scheduled.triggered
-
-
 def settle_gradient_round(optimizer: hivemind.Optimizer, timeout: float, interrupted: Callable[[], bool]) -> None:
     """Wait until the pre-scheduled gradient round (`optimizer.scheduled_grads`) is matched into a group or fails;
     one still matching after `timeout` seconds (or when `interrupted()`) is cancelled.
@@ -1462,8 +1457,7 @@ class DiLoCoOptimizer(GuardedOptimizer):
     the outer optimizer (on this peer's own pseudo-gradient when the round fails or no other peer is there) and
     copies the result into the model (`_apply_optimizer_parameters_`). The inner optimizer's state travels with the
     outer state as `extra_tensors`, so a newcomer downloads both. A trainer that missed an outer round (the swarm's
-    step is past its own) downloads the swarm's state at its next step, as hivemind's peers do. The round's group is
-    looked for from halfway through the H inner steps (`_match_ahead`), so that its all-reduce starts at the H-th.
+    step is past its own) downloads the swarm's state at its next step, as hivemind's peers do.
 
     With `overlap`, the round runs in the background (in the gradient averager's process) while the next inner
     steps run from where this peer's inner steps ended; when it ends (at the first inner step after), the outer step
@@ -1506,7 +1500,6 @@ class DiLoCoOptimizer(GuardedOptimizer):
         self.inner_step = 0  # inner steps since the last outer step
         self.round_samples = 0  # samples behind them
         self.inner_step_seconds = 0.0  # in inner optimizer steps, until `take_inner_step_seconds`
-        self.round_began = time.monotonic()  # when this outer step's first inner step began (for `_match_ahead`)
         self.own_pseudo_gradient: list[torch.Tensor] | None = None  # during an outer step: this peer's, for a failure
         # the swarm's progress as it was when this round's read ahead was asked for (None: not asked yet)
         self.read_ahead_from: GlobalTrainingProgress | None = None
@@ -1563,7 +1556,6 @@ class DiLoCoOptimizer(GuardedOptimizer):
             self.finish_outer_round()  # it ended, or this peer is a round ahead of the slowest: wait for it
         self._report_progress()
         self._read_ahead()
-        self._match_ahead()
         if self.inner_step >= self.inner_steps and not self.round_in_flight:
             self._outer_step()
         return None
@@ -1610,38 +1602,6 @@ class DiLoCoOptimizer(GuardedOptimizer):
             self.read_ahead_from = self.tracker.global_progress
             request_progress_read(self.tracker)
 
-    def _match_ahead(self) -> None:
-        """Once the read asked halfway through the round has come in, look for the outer round's group, timed for
-        the H-th inner step, where its all-reduce then starts at once: matchmaking takes several round trips (the
-        DHT, then the leader) that otherwise came after the H-th step, ~half of a tiny trainer's ~1.1 s rounds on
-        the slow links (where 50 inner steps take ~1 s). hivemind's optimizer pre-schedules its gradient rounds the
-        same way, in `scheduled_grads`, which the trainer's stopping rules read.
-
-        Not while a round is in flight (with overlap), where it would help most: hivemind's averager answers a part
-        sent for a group it has formed but not yet begun only until its event `_pending_groups_registered` is set,
-        and the end of the round in flight sets it. Looked for behind a round in flight, the next round's groupmate
-        that began first had its part refused (BAD_GROUP_ID), and rounds ended at the chunk timeout with half the
-        parts (tests/test_diloco.py: 10 of 30 rounds of an overlapped trainer)."""
-        if self.round_in_flight or not self.read_ahead_came_in or _pending(self.scheduled_grads):
-            return
-        if self.last_step is not None and self.local_epoch >= self.last_step:
-            return  # no outer round follows
-        peers = self.tracker.global_progress.num_peers
-        if peers > 1:
-            seconds_per_step = (time.monotonic() - self.round_began) / max(1, self.inner_step)
-            self.scheduled_grads = self._schedule_round(peers, (self.inner_steps - self.inner_step) * seconds_per_step)
-
-    def _schedule_round(self, peers: int, delay: float) -> StepControl:
-        """A gradient round that looks for its group now and starts its all-reduce when triggered; a group waits
-        `delay` seconds (the time to the H-th inner step) plus `wait` for the others, the matchmaking time at
-        least, and is complete as soon as it holds every trainer when `wait` > 0."""
-        if self.wait > 0:
-            self.grad_averager.set_target_group_size(peers)
-        wait = max(self.wait, self.matchmaking_time)
-        return self.grad_averager.schedule_step(
-            scheduled_time=get_dht_time() + delay + wait, timeout=self.averaging_timeout
-        )
-
     @property
     def read_ahead_came_in(self) -> bool:
         """The read asked for this round has come in (each read replaces the tracker's `global_progress`)."""
@@ -1662,12 +1622,15 @@ class DiLoCoOptimizer(GuardedOptimizer):
         self.grad_averager.reset_accumulated_grads_()
         self.grad_averager.accumulate_grads_(self.round_samples)  # once: the pseudo-gradient, weighted by samples
         peers = self.tracker.global_progress.num_peers
-        # a group looked for ahead (`_match_ahead`) is taken as it is; alone, hivemind cancels it
-        if peers > 1 and not _pending(self.scheduled_grads):
-            self.scheduled_grads = self._schedule_round(peers, 0.0)
+        if peers > 1:
+            wait = max(self.wait, self.matchmaking_time)
+            if self.wait > 0:  # the group is complete, and starts at once, when it holds every trainer
+                self.grad_averager.set_target_group_size(peers)
+            self.scheduled_grads = self.grad_averager.schedule_step(
+                scheduled_time=get_dht_time() + wait, timeout=self.averaging_timeout
+            )
         self.own_pseudo_gradient = [p.grad for p in self.state_averager.main_parameters]
         self.inner_step = self.round_samples = 0
-        self.round_began = time.monotonic()
         self.read_ahead_from = None
         # alone, there is no round to overlap: the outer step is made now
         if self.overlap and peers > 1 and super()._begin_averaging_gradients(None):
@@ -1719,11 +1682,8 @@ class DiLoCoOptimizer(GuardedOptimizer):
 
     def load_state_from_peers(self, **kwargs):
         self.finish_outer_round()  # its result lands in the tensors the download replaces
-        if _matching(self.scheduled_grads):  # a group looked for ahead, not formed yet: this round is not made
-            self.scheduled_grads.cancel()  # (hivemind's download joins a formed one with no weight, as it waits)
         super().load_state_from_peers(**kwargs)
         self.inner_step = self.round_samples = 0  # the model is the swarm's outer parameters: a new round
-        self.round_began = time.monotonic()
         self.read_ahead_from = None  # which reads ahead of its outer round again
 
     def inner_state_dict(self) -> dict:

@@ -42,7 +42,7 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, dht_pb2
 from hivemind.utils import get_dht_time
-from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip, enter_asynchronously
+from hivemind.utils.asyncio import achain, aiter_with_timeout, anext, as_aiter, azip, enter_asynchronously
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import TimedStorage, ValueWithExpiration
@@ -102,6 +102,8 @@ _serialization._BASE_COMPRESSION_TYPES["QUANTILE_8BIT"] = Quantile8Bit()
 # for whatever length a peer's 8-byte header declares and holds every byte of it, so one stream could fill a peer's
 # memory. Unary requests go through the p2p daemon, which bounds them (4 MiB, DEFAULT_MAX_MSG_SIZE).
 MAX_STREAM_MESSAGE_BYTES = 8 * 2**20
+# seconds a part for a group this averager has not begun yet waits for it (without a chunk timeout), and between looks
+PART_GROUP_WAIT, PART_GROUP_POLL = 30.0, 0.01
 REFUSED_LOG_EVERY = 10.0  # seconds between two lines about refused input of one kind: a flood must not flood the log
 
 
@@ -369,6 +371,11 @@ SETTLE_POLL = 0.1  # seconds between looks at a round's stage
 
 def _matching(scheduled: StepControl | None) -> bool:
     return scheduled is not None and not scheduled.done() and scheduled.stage in MATCHING_STAGES
+
+
+def _pending(scheduled: StepControl | None) -> bool:
+    """A round scheduled ahead and not yet begun: still looking for its group, or formed and waiting for this peer."""
+    return scheduled is not None and not scheduled.done() and not scheduled.triggered
 
 
 def settle_gradient_round(optimizer: hivemind.Optimizer, timeout: float, interrupted: Callable[[], bool]) -> None:
@@ -1225,10 +1232,25 @@ class GuardedAverager:
             return
         self._serving += 1
         try:
-            async for message in self._served("part", context, super().rpc_aggregate_part(stream, context), refused):
+            async for message in self._served("part", context, self._part_for_own_group(stream, context), refused):
                 yield message
         finally:
             self._serving -= 1
+
+    async def _part_for_own_group(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's answer to a part, once the part's own group has begun here (at most `next_chunk_timeout`
+        seconds, after which hivemind answers as before). A groupmate that begins first sends its parts before this
+        peer has begun the group; hivemind holds them only until its `_pending_groups_registered` event is set, and
+        the end of any other round of this averager sets it: a round that ended meanwhile made it refuse them
+        (BAD_GROUP_ID) and the group average half the parts."""
+        first = await anext(stream)
+        deadline = time.monotonic() + (self.next_chunk_timeout or PART_GROUP_WAIT)
+        while first.group_id not in self._running_groups and time.monotonic() < deadline:
+            await asyncio.sleep(PART_GROUP_POLL)
+        async for message in super().rpc_aggregate_part(achain(as_aiter(first), stream), context):
+            yield message
 
     async def rpc_download_state(
         self, request: averaging_pb2.DownloadRequest, context: P2PContext
@@ -1500,6 +1522,8 @@ class DiLoCoOptimizer(GuardedOptimizer):
         self.inner_step = 0  # inner steps since the last outer step
         self.round_samples = 0  # samples behind them
         self.inner_step_seconds = 0.0  # in inner optimizer steps, until `take_inner_step_seconds`
+        self.round_began = time.monotonic()  # when this outer step's first inner step began (for `_match_ahead`)
+        self.next_round: StepControl | None = None  # with overlap: a group looked for while a round is in flight
         self.own_pseudo_gradient: list[torch.Tensor] | None = None  # during an outer step: this peer's, for a failure
         # the swarm's progress as it was when this round's read ahead was asked for (None: not asked yet)
         self.read_ahead_from: GlobalTrainingProgress | None = None
@@ -1556,6 +1580,7 @@ class DiLoCoOptimizer(GuardedOptimizer):
             self.finish_outer_round()  # it ended, or this peer is a round ahead of the slowest: wait for it
         self._report_progress()
         self._read_ahead()
+        self._match_ahead()
         if self.inner_step >= self.inner_steps and not self.round_in_flight:
             self._outer_step()
         return None
@@ -1602,6 +1627,43 @@ class DiLoCoOptimizer(GuardedOptimizer):
             self.read_ahead_from = self.tracker.global_progress
             request_progress_read(self.tracker)
 
+    def _match_ahead(self) -> None:
+        """Once the read asked halfway through the round has come in, look for the outer round's group, timed for
+        the H-th inner step, where its all-reduce then starts at once: matchmaking takes several round trips (the
+        DHT, then the leader) that otherwise came after the H-th step, ~half of a tiny trainer's ~1.1 s rounds on
+        the slow links (where 50 inner steps take ~1 s). hivemind's optimizer pre-schedules its gradient rounds the
+        same way, in `scheduled_grads`, which the trainer's stopping rules read. With overlap, also while the
+        previous round's all-reduce runs, into `next_round` until that round ends (matchmaking over the slow links
+        took ~0.65 s, 30 tiny inner steps: begun only once a round had ended, ~35 steps into the next, it was still
+        looking at the H-th); not while that round still looks for its group: the averager looks for one group at a
+        time, and the group size it aims for is one setting."""
+        if not self.read_ahead_came_in or _pending(self.scheduled_grads) or _pending(self.next_round):
+            return
+        if self.round_in_flight and _matching(self.scheduled_grads):
+            return
+        coming_step = self.local_epoch + (1 if self.round_in_flight else 0)  # the step the next round starts from
+        if self.last_step is not None and coming_step >= self.last_step:
+            return  # no outer round follows
+        peers = self.tracker.global_progress.num_peers
+        if peers > 1:
+            seconds_per_step = (time.monotonic() - self.round_began) / max(1, self.inner_step)
+            control = self._schedule_round(peers, (self.inner_steps - self.inner_step) * seconds_per_step)
+            if self.round_in_flight:
+                self.next_round = control
+            else:
+                self.scheduled_grads = control
+
+    def _schedule_round(self, peers: int, delay: float) -> StepControl:
+        """A gradient round that looks for its group now and starts its all-reduce when triggered; a group waits
+        `delay` seconds (the time to the H-th inner step) plus `wait` for the others, the matchmaking time at
+        least, and is complete as soon as it holds every trainer when `wait` > 0."""
+        if self.wait > 0:
+            self.grad_averager.set_target_group_size(peers)
+        wait = max(self.wait, self.matchmaking_time)
+        return self.grad_averager.schedule_step(
+            scheduled_time=get_dht_time() + delay + wait, timeout=self.averaging_timeout
+        )
+
     @property
     def read_ahead_came_in(self) -> bool:
         """The read asked for this round has come in (each read replaces the tracker's `global_progress`)."""
@@ -1622,15 +1684,12 @@ class DiLoCoOptimizer(GuardedOptimizer):
         self.grad_averager.reset_accumulated_grads_()
         self.grad_averager.accumulate_grads_(self.round_samples)  # once: the pseudo-gradient, weighted by samples
         peers = self.tracker.global_progress.num_peers
-        if peers > 1:
-            wait = max(self.wait, self.matchmaking_time)
-            if self.wait > 0:  # the group is complete, and starts at once, when it holds every trainer
-                self.grad_averager.set_target_group_size(peers)
-            self.scheduled_grads = self.grad_averager.schedule_step(
-                scheduled_time=get_dht_time() + wait, timeout=self.averaging_timeout
-            )
+        # a group looked for ahead (`_match_ahead`) is taken as it is; alone, hivemind cancels it
+        if peers > 1 and not _pending(self.scheduled_grads):
+            self.scheduled_grads = self._schedule_round(peers, 0.0)
         self.own_pseudo_gradient = [p.grad for p in self.state_averager.main_parameters]
         self.inner_step = self.round_samples = 0
+        self.round_began = time.monotonic()
         self.read_ahead_from = None
         # alone, there is no round to overlap: the outer step is made now
         if self.overlap and peers > 1 and super()._begin_averaging_gradients(None):
@@ -1661,6 +1720,8 @@ class DiLoCoOptimizer(GuardedOptimizer):
             self._update_global_epoch(None)
         finally:
             self.state_averager.progress_since = self.sent_parameters = self.own_pseudo_gradient = None
+            if self.next_round is not None:  # the next round's group, looked for meanwhile, is the one to use
+                self.scheduled_grads, self.next_round = self.next_round, None
 
     def _begin_averaging_gradients(self, grad_scaler) -> bool:
         # with overlap the round in flight was begun when it was sent (`_outer_step`); `finish_outer_round`'s
@@ -1682,9 +1743,20 @@ class DiLoCoOptimizer(GuardedOptimizer):
 
     def load_state_from_peers(self, **kwargs):
         self.finish_outer_round()  # its result lands in the tensors the download replaces
+        if _matching(self.scheduled_grads):  # a group looked for ahead, not formed yet: this round is not made
+            self.scheduled_grads.cancel()  # (hivemind's download joins a formed one with no weight, as it waits)
         super().load_state_from_peers(**kwargs)
         self.inner_step = self.round_samples = 0  # the model is the swarm's outer parameters: a new round
+        self.round_began = time.monotonic()
         self.read_ahead_from = None  # which reads ahead of its outer round again
+
+    def shutdown(self):
+        # hivemind's shutdown leaves only `scheduled_grads`: a group looked for behind a round in flight is left too
+        if _matching(self.next_round):
+            self.next_round.cancel()
+        elif _pending(self.next_round):
+            self._tag_along_with_zero_weight(self.next_round)
+        super().shutdown()
 
     def inner_state_dict(self) -> dict:
         """The inner optimizer's state and this round's progress (its tensors are the live ones: copy to keep)."""

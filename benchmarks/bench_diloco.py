@@ -54,13 +54,13 @@ def run_mode(args, mode: Mode, work: Path, matched: bool = False) -> dict:
     inner_steps, overlap = mode
     per_pass = max(1, BATCH // args.trainers) if matched else BATCH
     target_batch_size = args.trainers * per_pass if matched else args.target_batch_size
-    per_step = (
-        args.trainers * BATCH
-        if matched
-        else target_batch_size
-        if inner_steps == 0
-        else args.trainers * inner_steps * BATCH
-    )
+    # the swarm's samples per global step
+    if matched:
+        per_step = args.trainers * BATCH
+    elif inner_steps == 0:
+        per_step = target_batch_size
+    else:
+        per_step = args.trainers * inner_steps * BATCH
     steps = math.ceil((args.step_matched_samples if matched else args.samples) / per_step)
     output = work / ("matched.json" if matched else f"h{inner_steps}{'o' if overlap else ''}.json")
     command = [sys.executable, str(ROOT / "benchmarks" / "netswarm.py"), "--profile", args.profile]

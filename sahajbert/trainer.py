@@ -24,7 +24,7 @@ from sahajbert.collators import PretrainingCollator
 from sahajbert.compute import build_compute
 from sahajbert.devices import DeviceInfo, choose_precision, describe_device
 from sahajbert.model import build_model
-from sahajbert.optim import build_collaborative_optimizer, is_finite
+from sahajbert.optim import build_collaborative_optimizer, gradients_finite, is_finite
 from sahajbert.signals import StopNow, StopRequest
 from sahajbert.stopping import (
     FRESH_READ_TIMEOUT,
@@ -266,7 +266,7 @@ class TrainerPeer(SwarmPeer):
         self.counters.compute_seconds += time.perf_counter() - started
         # never send non-finite gradients to the swarm (with fp16, hivemind's GradScaler does this check)
         if self.compute.scaler is None and not (
-            math.isfinite(pass_loss) and is_finite(p.grad for p in self.model_parameters)
+            math.isfinite(pass_loss) and gradients_finite(p.grad for p in self.model_parameters)
         ):
             self.dropped_passes += 1
             self.optimizer.zero_grad(set_to_none=True)

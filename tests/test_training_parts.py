@@ -391,9 +391,11 @@ def test_averaged_clipping_clips_what_lamb_applies():
     assert not all(torch.allclose(a, b, atol=1e-4) for a, b in zip(clipped, unclipped)), "clipping must matter here"
 
 
-def test_is_finite_finds_every_nan_and_infinity_and_nothing_else():
-    from sahajbert.optim import is_finite
+@pytest.mark.parametrize("check", ["is_finite", "gradients_finite"])
+def test_is_finite_finds_every_nan_and_infinity_and_nothing_else(check):
+    from sahajbert import optim
 
+    is_finite = getattr(optim, check)
     config = AlbertConfig(
         vocab_size=100, embedding_size=16, hidden_size=32, num_attention_heads=4, intermediate_size=64
     )
@@ -409,6 +411,10 @@ def test_is_finite_finds_every_nan_and_infinity_and_nothing_else():
                 broken[index] = broken[index].to(dtype)
                 broken[index].view(-1)[-1] = bad
                 assert not is_finite(broken), (bad, index, dtype)
+    # the values are left as they were
+    before = [t.clone() for t in tensors if t is not None]
+    is_finite(tensors)
+    assert all(torch.equal(a, b) for a, b in zip(before, [t for t in tensors if t is not None]))
 
 
 @pytest.mark.parametrize("kind", ["UNIFORM_8BIT", "QUANTILE_8BIT"])

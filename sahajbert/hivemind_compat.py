@@ -29,7 +29,6 @@ import numpy as np
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.control import AveragingStage, StepControl
-from hivemind.averaging.key_manager import GroupKey, GroupKeyManager
 from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.averaging.partition import AllreduceException, TensorPartReducer
 from hivemind.compression import deserialize_torch_tensor
@@ -855,27 +854,6 @@ class GuardedMatchmaking(Matchmaking):
 hivemind.averaging.averager.Matchmaking = GuardedMatchmaking
 
 
-class RoundGroupKeys(GroupKeyManager):
-    """hivemind's group keys, with the round they are for (`GuardedAverager.set_round`; None: hivemind's own key,
-    as for every averager but a DiLoCo trainer's gradient averager). hivemind's key is the same for every round, so a
-    peer still looking for one outer round's group could be matched with one already looking for the next, and
-    average a pseudo-gradient from other outer parameters into it; with the round in the key, the DHT lists only
-    the peers looking for the same round, and a leader refuses a follower of another key (BAD_GROUP_KEY).
-    Installed for every averager (`hivemind.averaging.matchmaking.GroupKeyManager`)."""
-
-    round: int | None = None
-
-    @property
-    def current_key(self) -> GroupKey:
-        if self.round is None:
-            return super().current_key
-        # hivemind's key pattern: no dot before the group bits
-        return f"{self.prefix}_round{self.round}.0b{self.group_bits}"
-
-
-hivemind.averaging.matchmaking.GroupKeyManager = RoundGroupKeys
-
-
 class RobustAllReduceRunner(AllReduceRunner):
     """hivemind's all-reduce of one group, with three defences:
 
@@ -1130,15 +1108,6 @@ class GuardedAverager:
 
     async def _set_target_group_size(self, size: int | None) -> None:
         self._matchmaking.target_group_size = size
-
-    def set_round(self, step: int) -> None:
-        """The round the next groups are looked for (`RoundGroupKeys`): only peers that set the same one are
-        matched. Sent, as the group size, ahead of the step it is for; while no group is being looked for (the key
-        is read throughout a search)."""
-        self._outer_pipe.send(("_set_round", [], dict(step=step)))
-
-    async def _set_round(self, step: int) -> None:
-        self._matchmaking.group_key_manager.round = step
 
     async def _expect_state(self, template: robust.StateTemplate, future: MPFuture) -> None:
         self._state_template = template
@@ -1511,8 +1480,7 @@ class DiLoCoOptimizer(GuardedOptimizer):
     the outer optimizer (on this peer's own pseudo-gradient when the round fails or no other peer is there) and
     copies the result into the model (`_apply_optimizer_parameters_`). The inner optimizer's state travels with the
     outer state as `extra_tensors`, so a newcomer downloads both. A trainer that missed an outer round (the swarm's
-    step is past its own) downloads the swarm's state at its H-th inner step instead of looking for that round's
-    group: each round's group key holds its step (`RoundGroupKeys`), so no groupmate is left for it.
+    step is past its own) downloads the swarm's state at its next step, as hivemind's peers do.
 
     With `overlap`, the round runs in the background (in the gradient averager's process) while the next inner
     steps run from where this peer's inner steps ended; when it ends (at the first inner step after), the outer step
@@ -1557,7 +1525,6 @@ class DiLoCoOptimizer(GuardedOptimizer):
         self.inner_step_seconds = 0.0  # in inner optimizer steps, until `take_inner_step_seconds`
         self.round_began = time.monotonic()  # when this outer step's first inner step began (for `_match_ahead`)
         self.next_round: StepControl | None = None  # with overlap: a group looked for while a round is in flight
-        self.next_round_step: int | None = None  # the global step that group's outer step starts from
         self.own_pseudo_gradient: list[torch.Tensor] | None = None  # during an outer step: this peer's, for a failure
         # the swarm's progress as it was when this round's read ahead was asked for (None: not asked yet)
         self.read_ahead_from: GlobalTrainingProgress | None = None
@@ -1683,24 +1650,19 @@ class DiLoCoOptimizer(GuardedOptimizer):
         coming_step = self.local_epoch + (1 if self.round_in_flight else 0)  # the step the next round starts from
         if self.last_step is not None and coming_step >= self.last_step:
             return  # no outer round follows
-        if self.tracker.global_epoch > coming_step:
-            return  # the swarm made that round already: this peer will load its state (`_outer_step`)
         peers = self.tracker.global_progress.num_peers
         if peers > 1:
             seconds_per_step = (time.monotonic() - self.round_began) / max(1, self.inner_step)
-            delay = (self.inner_steps - self.inner_step) * seconds_per_step
-            control = self._schedule_round(coming_step, peers, delay)
+            control = self._schedule_round(peers, (self.inner_steps - self.inner_step) * seconds_per_step)
             if self.round_in_flight:
-                self.next_round, self.next_round_step = control, coming_step
+                self.next_round = control
             else:
                 self.scheduled_grads = control
 
-    def _schedule_round(self, step: int, peers: int, delay: float) -> StepControl:
-        """The gradient round of the outer step from global step `step`, which looks for its group now, among the
-        peers looking for that same round only, and starts its all-reduce when triggered; a group waits `delay`
-        seconds (the time to the H-th inner step) plus `wait` for the others, the matchmaking time at least, and is
-        complete as soon as it holds every trainer when `wait` > 0."""
-        self.grad_averager.set_round(step)
+    def _schedule_round(self, peers: int, delay: float) -> StepControl:
+        """A gradient round that looks for its group now and starts its all-reduce when triggered; a group waits
+        `delay` seconds (the time to the H-th inner step) plus `wait` for the others, the matchmaking time at
+        least, and is complete as soon as it holds every trainer when `wait` > 0."""
         if self.wait > 0:
             self.grad_averager.set_target_group_size(peers)
         wait = max(self.wait, self.matchmaking_time)
@@ -1722,11 +1684,6 @@ class DiLoCoOptimizer(GuardedOptimizer):
     def _outer_step(self) -> None:
         if self.last_step is not None and self.local_epoch >= self.last_step:
             return  # the run has ended: the trainer stops at this step
-        if self.tracker.global_epoch > self.local_epoch:
-            # the swarm made this round without this peer: its groupmates look for the next one (`RoundGroupKeys`)
-            logger.log(self.status_loglevel, "The swarm's outer step is past this peer's: it loads the swarm's state")
-            self.load_state_from_peers()
-            return
         outer = [p for group in self.state_averager.optimizer.param_groups for p in group["params"]]
         for model_param, outer_param in zip(self.state_averager.main_parameters, outer):
             model_param.grad = outer_param.to(model_param.device) - model_param
@@ -1735,7 +1692,7 @@ class DiLoCoOptimizer(GuardedOptimizer):
         peers = self.tracker.global_progress.num_peers
         # a group looked for ahead (`_match_ahead`) is taken as it is; alone, hivemind cancels it
         if peers > 1 and not _pending(self.scheduled_grads):
-            self.scheduled_grads = self._schedule_round(self.local_epoch, peers, 0.0)
+            self.scheduled_grads = self._schedule_round(peers, 0.0)
         self.own_pseudo_gradient = [p.grad for p in self.state_averager.main_parameters]
         self.inner_step = self.round_samples = 0
         self.round_began = time.monotonic()
@@ -1769,11 +1726,8 @@ class DiLoCoOptimizer(GuardedOptimizer):
             self._update_global_epoch(None)
         finally:
             self.state_averager.progress_since = self.sent_parameters = self.own_pseudo_gradient = None
-            if self.next_round is not None and self.local_epoch == self.next_round_step:
-                self.scheduled_grads = self.next_round  # the next round's group, looked for meanwhile
-            elif self.next_round is not None:  # this peer jumped to the swarm's step, past the round it was for
-                self._leave_round(self.next_round)
-            self.next_round = None
+            if self.next_round is not None:  # the next round's group, looked for meanwhile, is the one to use
+                self.scheduled_grads, self.next_round = self.next_round, None
 
     def _begin_averaging_gradients(self, grad_scaler) -> bool:
         # with overlap the round in flight was begun when it was sent (`_outer_step`); `finish_outer_round`'s
@@ -1804,16 +1758,11 @@ class DiLoCoOptimizer(GuardedOptimizer):
 
     def shutdown(self):
         # hivemind's shutdown leaves only `scheduled_grads`: a group looked for behind a round in flight is left too
-        self._leave_round(self.next_round)
+        if _matching(self.next_round):
+            self.next_round.cancel()
+        elif _pending(self.next_round):
+            self._tag_along_with_zero_weight(self.next_round)
         super().shutdown()
-
-    def _leave_round(self, control: StepControl | None) -> None:
-        """Not make a round scheduled ahead: cancelled while it looks for its group, else (formed: its groupmates
-        count on this peer's part) joined with zero weight."""
-        if _matching(control):
-            control.cancel()
-        elif _pending(control):
-            self._tag_along_with_zero_weight(control)
 
     def inner_state_dict(self) -> dict:
         """The inner optimizer's state and this round's progress (its tensors are the live ones: copy to keep)."""

@@ -246,44 +246,6 @@ def test_a_peer_left_out_leads_no_group_of_this_peer():
                 optimizer.state_averager.shutdown()
 
 
-def test_averagers_match_only_for_the_same_round():
-    # two real state averagers on loopback, as two DiLoCo trainers' gradient averagers: one looking for the group of
-    # round 3 is not matched with one looking for round 4 (hivemind's key alone would pair them); set to the same
-    # round, they average
-    from types import SimpleNamespace
-
-    from sahajbert import hivemind_compat as compat
-
-    peers = []
-    with loopback_dhts(2) as dhts:
-        try:
-            for value, dht in zip((1.0, 1.05), dhts):  # (within a pair rule's bound of each other: a plain mean)
-                parameters = [torch.nn.Parameter(torch.full((1000,), value))]
-                averager = sgd_state_averager(dht, parameters, "rounds")
-                optimizer = SimpleNamespace(local_epoch=3, scheduled_state=None, scheduled_grads=None)
-                optimizer.state_averager = averager
-                peers.append((parameters, optimizer))
-            (a_parameters, a), (b_parameters, b) = peers
-
-            def average(rounds: tuple[int, int]) -> list:
-                for optimizer, step in zip((a, b), rounds):
-                    optimizer.state_averager.set_round(step)
-                controls = [compat.start_parameter_round(opt, "", wait, 10, 2) for opt, wait in ((a, 3), (b, 1))]
-                wait_for(lambda: all(control.done() for control in controls), 60, "both rounds to end")
-                for optimizer in (a, b):
-                    compat.apply_pending_updates(optimizer, timeout=10)
-                return [compat.round_steps(control) for control in controls]
-
-            assert average((3, 4)) == [None, None]
-            assert torch.equal(a_parameters[0].detach(), torch.ones(1000))
-            assert average((4, 4)) == [[3, 3], [3, 3]]
-            for parameters in (a_parameters, b_parameters):
-                assert torch.allclose(parameters[0].detach(), torch.full((1000,), 1.025), atol=1e-4)
-        finally:
-            for _, optimizer in peers:
-                optimizer.state_averager.shutdown()
-
-
 def test_a_peer_left_out_by_one_averager_is_left_out_by_the_other():
     # peer A's two averagers (as its optimizer's gradient and state averagers), the second serving its state; B
     # downloads that state. Once A's first averager has left B out (here: from the start), and A's optimizer has told

@@ -254,7 +254,8 @@ class TrainerPeer(SwarmPeer):
         if should_settle(position, max_steps):
             timeout = SETTLE_MATCHMAKING_TIMES * self.timing.matchmaking_time
             compat.settle_gradient_round(self.optimizer, timeout, interrupted=lambda: bool(self.stop))
-        return should_stop(compat.position(self.optimizer), max_steps)
+            position = compat.position(self.optimizer)  # settling changed the round's stage
+        return should_stop(position, max_steps)
 
     def _forward_backward(self) -> float | None:
         """One pass (gradient accumulation included); its loss, or None if it was dropped as non-finite."""

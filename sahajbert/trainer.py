@@ -301,7 +301,9 @@ class TrainerPeer(SwarmPeer):
             # hold this peer back from it, or pair with another peer's final round and be triggered late
             compat.skip_parameter_averaging(self.optimizer)
         if compat.step_would_be_global(self.optimizer, self.samples_per_pass):
-            if self.optimizer.local_epoch == 0:
+            # (with DiLoCo's overlap the second round is sent at step 0 too, while the first is in flight: the wait,
+            # and its two blocking DHT reads, came before the first)
+            if self.optimizer.local_epoch == 0 and not compat.outer_round_in_flight(self.optimizer):
                 self._wait_for_starting_trainers()
             # hivemind's view of the swarm may be seconds old (peers that joined since, samples they reported):
             # a global step is only started on a fresh read, so that no peer steps alone on a stale count

@@ -657,6 +657,20 @@ def test_an_overlapping_diloco_trainer_reads_ahead_while_its_last_round_is_still
         assert compat.read_progress_now(optimizer, timeout=0), "no wait at the H-th step"
 
 
+def test_an_overlapping_diloco_trainers_second_round_reads_ahead_at_step_0(tokenizer):
+    # with overlap the second round is sent at step 0 too, while the first (the run's first global step) is in
+    # flight: it reads ahead like every later round, and the trainer's wait for starting trainers is not made again
+    from sahajbert import hivemind_compat as compat
+
+    with diloco_with_an_absent_peer(tokenizer, "diloco-read-second", overlap=True) as (model, optimizer, _):
+        assert optimizer.read_ahead_from is None, "the run's first round reads after the wait for starting trainers"
+        assert not compat.outer_round_in_flight(optimizer)
+        train_one_batch(model, optimizer)  # the 3rd inner step: the first round is sent; it looks for the peer 1 + 3 s
+        train_one_batch(model, optimizer)  # halfway (1 of 3) through the second round's inner steps
+        assert optimizer.local_epoch == 0 and compat.outer_round_in_flight(optimizer), "the first is still in flight"
+        assert optimizer.read_ahead_from is not None, "the second round's read is asked for at step 0"
+
+
 class HeldReads:
     """hivemind's DHT, whose awaited reads (the tracker's fetcher's) each wait until the test lets one through: a read
     over a slow link."""

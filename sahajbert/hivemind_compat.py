@@ -578,8 +578,7 @@ def prefer_as_state_donor(optimizer: hivemind.Optimizer) -> None:
 def has_pending_updates(optimizer: hivemind.Optimizer) -> bool:
     """A background optimizer step or averaging round has not been applied yet (`state_averager.pending_updates`;
     DiLoCo with overlap: an outer round in flight)."""
-    in_flight = isinstance(optimizer, DiLoCoOptimizer) and optimizer.round_in_flight
-    return in_flight or bool(optimizer.state_averager.pending_updates)
+    return outer_round_in_flight(optimizer) or bool(optimizer.state_averager.pending_updates)
 
 
 def apply_pending_updates(optimizer: hivemind.Optimizer, timeout: float, outer_round: bool = True) -> bool:

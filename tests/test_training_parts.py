@@ -659,7 +659,8 @@ def test_an_overlapping_diloco_trainer_reads_ahead_while_its_last_round_is_still
 
 def test_an_overlapping_diloco_trainers_second_round_reads_ahead_at_step_0(tokenizer):
     # with overlap the second round is sent at step 0 too, while the first (the run's first global step) is in
-    # flight: it reads ahead like every later round, and the trainer's wait for starting trainers is not made again
+    # flight: it reads ahead like every later round (and `outer_round_in_flight`, which tells the trainer not to wait
+    # for starting trainers again, holds)
     from sahajbert import hivemind_compat as compat
 
     with diloco_with_an_absent_peer(tokenizer, "diloco-read-second", overlap=True) as (model, optimizer, _):

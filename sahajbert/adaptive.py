@@ -34,6 +34,9 @@ PROBE_PINGS = 5
 RATE_FROM = 1 / 3
 PROBE_TIMEOUT = 60.0  # seconds for the whole measurement, every initial peer tried included
 PROBE_TRIES = 2  # per initial peer, at start
+# seconds between two tries at start: beside two busy processes both tries of a trainer failed within 60 ms (the
+# first peer closed the stream unanswered), and the retry that follows waits for a quiet moment between rounds
+PROBE_TRY_PAUSE = 2.0
 PROBE_RETRY = 20.0  # seconds after a failed measurement before the next try (then every --link_check_every)
 
 
@@ -113,9 +116,23 @@ def serve_link_probe(dht: hivemind.DHT) -> None:
         dht.run_coroutine(_register)
 
 
-async def _measure(_dht, node, peer_id: PeerID, seconds: float) -> LinkEstimate:
-    """Round trip, upload and download against `peer_id`."""
-    return await compat.kept_alive(_measure_now(node.p2p, peer_id, seconds))
+def _describe(error: Exception) -> str:
+    """An exception as one line: "ExceptionType: message", or its type alone."""
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
+class ProbeFailed(Exception):
+    """A link measurement that failed, as "ExceptionType: message"."""
+
+
+async def _measure(_dht, node, peer_id: PeerID, seconds: float) -> LinkEstimate | ProbeFailed:
+    """Round trip, upload and download against `peer_id`; a failure is returned, not raised: hivemind's DHT logs
+    an exception raised in its process as an error with its traceback, two tracebacks on a trainer's terminal for a
+    probe that it tries again anyway."""
+    try:
+        return await compat.kept_alive(_measure_now(node.p2p, peer_id, seconds))
+    except Exception as e:
+        return ProbeFailed(_describe(e))
 
 
 async def _measure_now(p2p, peer_id: PeerID, seconds: float) -> LinkEstimate:
@@ -166,22 +183,32 @@ def measure_link(
     first peer is busy (a peer starting up) can stall past its end and be too short to time."""
     deadline = time.monotonic() + PROBE_TIMEOUT
     why = "no initial peer has a /p2p/ id"
-    for peer_id in list(dict.fromkeys(peer_ids(initial_peers))) * PROBE_TRIES:
+    for index, peer_id in enumerate(list(dict.fromkeys(peer_ids(initial_peers))) * PROBE_TRIES):
+        if index:  # the try before failed
+            time.sleep(max(0.0, min(PROBE_TRY_PAUSE, deadline - time.monotonic())))
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             why = f"no answer within {PROBE_TIMEOUT:.0f} s"
             break
         try:
-            return start_measurement(dht, peer_id, seconds).result(timeout=remaining), peer_id
+            return measured(start_measurement(dht, peer_id, seconds), timeout=remaining), peer_id
         except Exception as e:  # an old peer without the probe, a peer that left, a timeout: try the next one
-            why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            why = str(e) if isinstance(e, ProbeFailed) else _describe(e)
             logger.debug(f"link probe against {peer_id} failed: {e!r}")
     return None, why
 
 
 def start_measurement(dht: hivemind.DHT, peer_id: PeerID, seconds: float = PROBE_SECONDS):
-    """One measurement against `peer_id`, running in the DHT process: a future of its LinkEstimate."""
+    """One measurement against `peer_id`, running in the DHT process: a future of its LinkEstimate (see `measured`)."""
     return dht.run_coroutine(partial(_measure, peer_id=peer_id, seconds=seconds), return_future=True)
+
+
+def measured(future, timeout: float | None = None) -> LinkEstimate:
+    """A started measurement's estimate; raises ProbeFailed if it failed (TimeoutError if not done in time)."""
+    result = future.result(timeout=timeout)
+    if isinstance(result, ProbeFailed):
+        raise result
+    return result
 
 
 class LinkWatch:
@@ -212,7 +239,7 @@ class LinkWatch:
             return None
         future, self.future = self.future, None
         try:
-            link = future.result()
+            link = measured(future)
         except Exception as e:
             logger.debug(f"link re-measurement against {self.peers[0]} failed: {e!r}")
             self.failed = True

@@ -31,7 +31,7 @@ from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.averaging.partition import AllreduceException, TensorPartReducer
-from hivemind.compression import deserialize_torch_tensor
+from hivemind.compression import CompressionBase, NoCompression, deserialize_torch_tensor
 from hivemind.compression import serialization as _serialization
 from hivemind.compression.quantization import Quantile8BitQuantization, Quantization, Uniform8BitQuantization
 from hivemind.dht.protocol import DHTProtocol
@@ -369,8 +369,32 @@ MATCHING_STAGES = (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
 SETTLE_POLL = 0.1  # seconds between looks at a round's stage
 
 
+def _succeeded(control: StepControl) -> bool:
+    """The round ended with its group's result (not cancelled, failed, or still running)."""
+    return control.done() and not control.cancelled() and control.exception() is None
+
+
 def _matching(scheduled: StepControl | None) -> bool:
-    return scheduled is not None and not scheduled.done() and scheduled.stage in MATCHING_STAGES
+    return (
+        scheduled is not None
+        and not scheduled.done()
+        and not _cancel_sent(scheduled)
+        and scheduled.stage in MATCHING_STAGES
+    )
+
+
+def _cancel_sent(control: StepControl) -> bool:
+    """This process has already called the round off (its cancel future is set: hivemind's StepControl.cancel)."""
+    return control._cancel is not None and control._cancel.done()
+
+
+def cancel_round(control: StepControl | None) -> None:
+    """Call off a round this peer will not make, once. A second StepControl.cancel raises InvalidStateError (its
+    cancel future is already set), and a round called off still reads "looking for a group" until the averager's
+    process has seen the cancel: in a fresh-clone CI run, a DiLoCo trainer's outer round cancelled at its last step
+    was cancelled again at once by the final parameter round's start, and the trainer exited 1."""
+    if control is not None and not _cancel_sent(control):
+        control.cancel()
 
 
 def _pending(scheduled: StepControl | None) -> bool:
@@ -390,7 +414,7 @@ def settle_gradient_round(optimizer: hivemind.Optimizer, timeout: float, interru
     while _matching(scheduled) and time.monotonic() < deadline and not interrupted():
         time.sleep(SETTLE_POLL)
     if _matching(scheduled):
-        scheduled.cancel()
+        cancel_round(scheduled)
 
 
 def wait_for_swarm_progress(optimizer: hivemind.Optimizer, timeout: float) -> None:
@@ -616,14 +640,22 @@ def start_parameter_round(
     `sync_epoch_when_averaging` (peers adopt the highest step gathered, the LR schedule with it), and
     `state_averager.step(averaging_round=True, averaging_control=..., delay_averaging=True)` (runs the round in the
     background; its result lands as a pending update). The returned control's result maps each peer to its step.
+
+    The round sends fp32 (`GuardedAverager.set_compression`), whatever the run's codec: hivemind returns to each peer
+    the average minus the value it received from it, in the round's codec, and the peer adds that to its own value.
+    In fp16 each peer kept the rounding of that difference (2^-11 of half the peers' divergence): overlapped DiLoCo
+    peers 8 apart ended 0.004 apart, and a value near 0 outside the agreement tolerance. In fp32 every peer ends at
+    the average, up to fp32's rounding. It doubles the bytes of one round per run. A state downloaded from this peer
+    from then on is fp32 too: a final round that came back partial ends with one peer's parameters downloaded.
     """
     for scheduled in (optimizer.scheduled_state, optimizer.scheduled_grads):
-        if scheduled is not None and scheduled.stage == AveragingStage.LOOKING_FOR_GROUP:
-            scheduled.cancel()
+        if _matching(scheduled):
+            cancel_round(scheduled)
     averager = optimizer.state_averager
     averager.set_group_bits(group_bits)
     if group_size is not None:
         averager.set_target_group_size(group_size)
+    averager.set_compression(NoCompression())
     control = averager.schedule_step(
         scheduled_time=get_dht_time() + wait, gather=optimizer.local_epoch, timeout=timeout
     )
@@ -634,11 +666,39 @@ def start_parameter_round(
     return control
 
 
+def partial_rounds(optimizer: hivemind.Optimizer) -> int:
+    """Parameter rounds so far in which some averaged part did not come back: this peer kept its own values for it,
+    so its parameters differ from those of the round's other peers."""
+    return optimizer.state_averager.partial_rounds
+
+
+def take_state_of(optimizer: hivemind.Optimizer, peer_id: str, timeout: float) -> bool:
+    """Download the training state (parameters included) from peer `peer_id` (base58) alone and take it, waiting at
+    most `timeout` seconds; whether it came."""
+    averager = optimizer.state_averager
+    before = averager.states_downloaded
+    try:
+        averager.load_state_from_peers(source=peer_id, timeout=timeout)
+    except TimeoutError:
+        return False
+    return averager.states_downloaded > before
+
+
 def round_steps(control: StepControl) -> list[int] | None:
     """The steps gathered from every peer of a finished round, or None if it failed, was cancelled or is running."""
-    if not control.done() or control.cancelled() or control.exception() is not None:
+    if not _succeeded(control):
         return None
     return sorted(control.result().values())
+
+
+def round_peers(control: StepControl) -> set[str]:
+    """The peers (base58) of a finished round, this one included; empty if it failed, was cancelled or is running."""
+    return {peer.to_base58() for peer in control.result()} if _succeeded(control) else set()
+
+
+def left_out_peers(optimizer: hivemind.Optimizer) -> set[str]:
+    """The peers (base58) this peer's averagers have left out (`GuardedOptimizer`)."""
+    return {PeerID(peer).to_base58() for peer in optimizer._left_out_peers()}
 
 
 def is_identity_file(path: str) -> bool:
@@ -1029,6 +1089,10 @@ class GuardedAverager:
         self._left_out_channel = mp.SimpleQueue()
         self._left_out_seen: set[bytes] = {peer.to_bytes() for peer in self._distrusted.peers}
         self._state_template: robust.StateTemplate | None = None  # what a downloaded state must match
+        self._state_source: str | None = None  # the one peer (base58) to download it from; None: any
+        # counted in its process, read in the one that made it
+        self._partial_rounds = mp.Value("i", 0)  # rounds in which some averaged part did not come back
+        self._states_downloaded = mp.Value("i", 0)
         super().__init__(*args, **kwargs)
 
     @property
@@ -1084,7 +1148,20 @@ class GuardedAverager:
         async for tensor, delta in azip(as_aiter(*tensors), runner):
             tensor.add_(delta, alpha=self._averaging_alpha)
             self.last_updated = get_dht_time()
+        if runner.tensor_part_container.failed_size:  # hivemind kept this peer's own values for those parts
+            with self._partial_rounds.get_lock():
+                self._partial_rounds.value += 1
         self._state_updated.set()
+
+    @property
+    def partial_rounds(self) -> int:
+        """Rounds so far in which some averaged part did not come back (hivemind's "received N% results")."""
+        return self._partial_rounds.value
+
+    @property
+    def states_downloaded(self) -> int:
+        """Training states downloaded and taken so far."""
+        return self._states_downloaded.value
 
     @property
     def serving_wait(self) -> float:
@@ -1113,15 +1190,26 @@ class GuardedAverager:
     async def _set_target_group_size(self, size: int | None) -> None:
         self._matchmaking.target_group_size = size
 
-    async def _expect_state(self, template: robust.StateTemplate, future: MPFuture) -> None:
-        self._state_template = template
+    def set_compression(self, codec: CompressionBase) -> None:
+        """The codec this averager's rounds send from now on (`allreduce_kwargs["compression"]`, read in the
+        averager's process as a round begins its all-reduce), and the state it serves (`state_compression`). Sent
+        like `set_target_group_size`: a step asked for next finds it."""
+        self.allreduce_kwargs["compression"] = self.state_compression = codec
+        self._outer_pipe.send(("_set_compression", [], dict(codec=codec)))
+
+    async def _set_compression(self, codec: CompressionBase) -> None:
+        self.allreduce_kwargs["compression"] = self.state_compression = codec
+
+    async def _expect_state(self, template: robust.StateTemplate, future: MPFuture, source: str | None = None) -> None:
+        self._state_template, self._state_source = template, source
         future.set_result(None)
 
     async def _load_state_from_peers(self, future: MPFuture, timeout: float | None = None) -> None:
         """hivemind's download of the training state (from the peer that declares the highest priority first), with
         each state checked against `_state_template` before it is taken: a peer that serves a corrupted one
         (`robust.state_problem`) is left out from then on, and one whose step is out of range
-        (`robust.step_out_of_range`) skipped; the next peer is tried. `timeout` bounds each chunk
+        (`robust.step_out_of_range`) or whose stream ended early (`robust.state_cut_short`) skipped; the next peer
+        is tried. `timeout` bounds each chunk
         (hivemind's own reading of it)."""
         chunk_timeout = self.next_chunk_timeout if self.next_chunk_timeout is not None else self.request_timeout
         template = self._state_template
@@ -1145,6 +1233,8 @@ class GuardedAverager:
                 peer = PeerID(peer_bytes)
                 if peer == self.peer_id or peer in self._distrusted:
                     continue
+                if self._state_source is not None and peer.to_base58() != self._state_source:
+                    continue
                 try:
                     state = await self._download_state_from(peer, chunk_timeout, template)
                 except Exception as e:
@@ -1152,7 +1242,9 @@ class GuardedAverager:
                     continue
                 if state is None:
                     continue  # that peer does not share its state
-                if template is not None and (why := robust.step_out_of_range(state[0], template)):
+                if template is not None and (
+                    why := robust.step_out_of_range(state[0], template) or robust.state_cut_short(state[1], template)
+                ):
                     logger.warning(f"skipped the training state of peer {peer}: {why}; trying the next peer")
                     continue
                 problem = robust.state_problem(*state, template) if template is not None else None
@@ -1160,6 +1252,8 @@ class GuardedAverager:
                     self._distrust(peer, f"the training state it served was refused ({problem})")
                     continue
                 logger.info(f"downloaded the training state from peer {peer}")
+                with self._states_downloaded.get_lock():
+                    self._states_downloaded.value += 1
                 future.set_result(state)
                 return
         finally:
@@ -1301,9 +1395,11 @@ class GuardedStateAverager(GuardedAverager, TrainingStateAverager):
             max_step=self.state_step_ceiling,
         )
 
-    def load_state_from_peers(self, **kwargs):
+    def load_state_from_peers(self, source: str | None = None, **kwargs):
+        """hivemind's, checked against this peer's own state; from peer `source` (base58) alone if given."""
         future = MPFuture()
-        self._outer_pipe.send(("_expect_state", [], dict(template=self.state_template(), future=future)))
+        request = dict(template=self.state_template(), future=future, source=source)
+        self._outer_pipe.send(("_expect_state", [], request))
         future.result()
         return super().load_state_from_peers(**kwargs)
 
@@ -1427,6 +1523,40 @@ class GuardedOptimizer(hivemind.Optimizer):
         seen_others = self.tracker.global_progress.num_peers > 1
         self.state_averager.state_step_ceiling = self.tracker.global_epoch + 1 if seen_others else None
         return super().load_state_from_peers(**kwargs)
+
+    def _update_global_epoch(self, grad_scaler) -> None:
+        # `_average_gradients_and_load_into_optimizer` may call off this step's parameter round; later steps keep it
+        average_state_every = self.average_state_every
+        try:
+            super()._update_global_epoch(grad_scaler)
+        finally:
+            self.average_state_every = average_state_every
+
+    def _average_gradients_and_load_into_optimizer(self, maybe_step_control: StepControl | None) -> None:
+        super()._average_gradients_and_load_into_optimizer(maybe_step_control)
+        if self.delay_grad_averaging or maybe_step_control is None or _succeeded(maybe_step_control):
+            return
+        if self.average_state_every == NO_STATE_AVERAGING:
+            return  # no parameter round to call off (DiLoCo; the run's last step)
+        # Lockstep (a gradient round in the foreground, then a parameter round; each waits up to the round timeout
+        # for a group that is not coming): a gradient round that found nobody while other peers report progress
+        # most likely ran while they were in their parameter round. Making this step's parameter round too would
+        # keep this peer one round out of phase with them for good: both kinds of round then find nobody and every
+        # step takes two round timeouts (a CPU + XLA swarm, after a round cancelled at a join, made 60-s steps until
+        # its test timed out). Without it, this peer's next gradient round starts as theirs does. The parameters
+        # stay as they are until the next step's parameter round.
+        logger.info("the gradient round found no group: this step makes no parameter round, to meet the others' next")
+        self.average_state_every = NO_STATE_AVERAGING
+
+    def shutdown(self):
+        # hivemind's shutdown cancels each scheduled round whose stage reads "looking for a group", also one this
+        # peer has called off already (`cancel_round`), which raised InvalidStateError; one that has ended needs
+        # nothing either
+        for name in ("scheduled_grads", "scheduled_state"):
+            control = getattr(self, name)
+            if control is not None and (control.done() or _cancel_sent(control)):
+                setattr(self, name, None)
+        super().shutdown()
 
     def _left_out_peers(self) -> set[bytes]:
         # the tracker starts before the averagers: until they exist, nobody is left out
@@ -1725,7 +1855,7 @@ class DiLoCoOptimizer(GuardedOptimizer):
                 self.scheduled_grads.result(timeout)
             except BaseException:  # failed or still running: hivemind's fallback below takes the own pseudo-gradient
                 if not self.scheduled_grads.done():
-                    self.scheduled_grads.cancel()
+                    cancel_round(self.scheduled_grads)
         logger.log(self.status_loglevel, f"Outer round awaited after {self.inner_step} inner step(s) behind it")
         self.state_averager.progress_since = self.sent_parameters
         try:
@@ -1756,7 +1886,7 @@ class DiLoCoOptimizer(GuardedOptimizer):
     def load_state_from_peers(self, **kwargs):
         self.finish_outer_round()  # its result lands in the tensors the download replaces
         if _matching(self.scheduled_grads):  # a group looked for ahead, not formed yet: this round is not made
-            self.scheduled_grads.cancel()  # (hivemind's download joins a formed one with no weight, as it waits)
+            cancel_round(self.scheduled_grads)  # (hivemind's download joins a formed one with no weight, as it waits)
         super().load_state_from_peers(**kwargs)
         self.inner_step = self.round_samples = 0  # the model is the swarm's outer parameters: a new round
         self.round_began = time.monotonic()
@@ -1765,7 +1895,7 @@ class DiLoCoOptimizer(GuardedOptimizer):
     def shutdown(self):
         # hivemind's shutdown leaves only `scheduled_grads`: a group looked for behind a round in flight is left too
         if _matching(self.next_round):
-            self.next_round.cancel()
+            cancel_round(self.next_round)
         elif _pending(self.next_round):
             self._tag_along_with_zero_weight(self.next_round)
         super().shutdown()

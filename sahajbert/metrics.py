@@ -27,6 +27,16 @@ class StartRecord(pydantic.BaseModel):
     parameters: pydantic.constr(strict=True, regex=r"^[0-9a-f]{32}$")  # see trainer.parameters_digest
 
 
+class FinishedRecord(pydantic.BaseModel):
+    """What a trainer tells the other peers of its final parameter round once that round has ended for it."""
+
+    step: pydantic.conint(ge=0, strict=True)  # the global step the round was made at
+    peer_id: pydantic.constr(strict=True, max_length=128)  # base58: the peer to download its parameters from
+    complete: pydantic.StrictBool  # every averaged part came back (False: it kept its own values for some)
+    serves_state: pydantic.StrictBool  # others can download its state (not a client-mode peer)
+    adopted: pydantic.StrictBool = False  # it has since taken the parameters of the peer the round settled on
+
+
 class MetricSchema(pydantic.BaseModel):
     # the subkey must hold the writer's public key: RSASignatureValidator then lets only its owner write it
     metrics: dict[BytesWithPublicKey, LocalMetrics]
@@ -38,6 +48,9 @@ class MetricSchema(pydantic.BaseModel):
     # each trainer's initial parameters at step 0: a trainer of a new run skips the download of the first trainer's
     # parameters when they are its own (the same --seed)
     start: dict[BytesWithPublicKey, StartRecord]
+    # a trainer's final parameter round ended for it: the round's other peers stay up until each of them has its
+    # results, and settle on one peer's parameters if a part came back partial (trainer.TrainerPeer._end_together)
+    finished: dict[BytesWithPublicKey, FinishedRecord]
 
 
 def metrics_key(run_id: str) -> str:
@@ -98,21 +111,37 @@ def fetch_starts(dht: hivemind.DHT, run_id: str) -> dict[str, str]:
     return {record.peer_id: record.parameters for record in records if signers[record.peer_id] == 1}
 
 
+def declare_finished(
+    dht: hivemind.DHT, run_id: str, public_key: bytes, record: FinishedRecord, expiration: float = 600.0
+) -> bool:
+    """Tell the final round's other peers that this one's round ended, and how (blocking; False if not stored). A
+    later record of the same peer replaces its earlier one."""
+    expiration_time = get_dht_time() + expiration
+    return bool(dht.store(f"{run_id}_finished", record.dict(), expiration_time, subkey=public_key))
+
+
+def fetch_finished(dht: hivemind.DHT, run_id: str, step: int) -> list[FinishedRecord]:
+    """The records of the peers whose final round ended at global step `step`."""
+    records = _valid_records(dht, f"{run_id}_finished", FinishedRecord).values()
+    return [record for record in records if record.step == step]
+
+
 def fetch_announced_step(dht: hivemind.DHT, run_id: str) -> int:
     """The highest global step that a peer announced to serve (0 if none)."""
-    entry = dht.get(f"{run_id}_state", latest=True)
-    if entry is None or not isinstance(entry.value, dict):
-        return 0
-    return max((item.value for item in entry.value.values() if isinstance(item.value, int)), default=0)
+    items = _subkey_items(dht, f"{run_id}_state").values()
+    return max((item.value for item in items if isinstance(item.value, int)), default=0)
+
+
+def _subkey_items(dht: hivemind.DHT, key: str) -> dict:
+    """A key's current entries, by subkey (each a ValueWithExpiration); {} if it holds none."""
+    entry = dht.get(key, latest=True)
+    return entry.value if entry is not None and isinstance(entry.value, dict) else {}
 
 
 def _valid_records(dht: hivemind.DHT, key: str, model: type[pydantic.BaseModel]) -> dict[bytes, pydantic.BaseModel]:
     """A key's current records that parse as `model`, keyed by the writer's public key."""
-    entry = dht.get(key, latest=True)
-    if entry is None or not isinstance(entry.value, dict):
-        return {}
     records = {}
-    for subkey, item in entry.value.items():
+    for subkey, item in _subkey_items(dht, key).items():
         try:
             records[subkey] = model.parse_obj(item.value)
         except pydantic.ValidationError:

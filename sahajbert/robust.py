@@ -281,6 +281,17 @@ def step_out_of_range(metadata, template: StateTemplate) -> str | None:
     return f"its step {step} is outside {template.min_step}..{template.max_step}"
 
 
+def state_cut_short(tensors, template: StateTemplate) -> str | None:
+    """Why a downloaded state looks cut off in transit (its first tensors, each of the right shape, then nothing),
+    or None. Not proof of a corrupted state: an honest peer's stream can end early (in a CI run a trainer served 35
+    of its 160 tensors to a newcomer); the peer is skipped, not left out."""
+    if len(tensors) >= len(template.shapes):
+        return None
+    if any(tuple(tensor.shape) != tuple(shape) for tensor, shape in zip(tensors, template.shapes)):
+        return None
+    return f"it ended after {len(tensors)} of this peer's {len(template.shapes)} tensors"
+
+
 def state_problem(metadata, tensors, template: StateTemplate) -> str | None:
     """Why a downloaded state (hivemind's metadata dict and flat tensors) is corrupted, or None (its step's range is
     `step_out_of_range`)."""

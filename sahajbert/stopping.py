@@ -2,11 +2,13 @@
 
 import logging
 import time
+from dataclasses import dataclass, field
 
 import hivemind
 
 from sahajbert import hivemind_compat as compat
 from sahajbert.hivemind_compat import SwarmPosition
+from sahajbert.metrics import FinishedRecord
 
 logger = logging.getLogger(__name__)
 # seconds a peer waits for a fresh read of the swarm's progress before a global step it would start or the final round
@@ -117,7 +119,11 @@ class FinalRound:
         return max(peer_counts[-RECENT_STEPS:], default=0)
 
     def run(self, optimizer: hivemind.Optimizer, recent_peers: int) -> int:
-        """Average parameters with the peers that finish within the window; how many took part (0: none joined)."""
+        """Average parameters with the peers that finish within the window; how many took part (0: none joined).
+        Then `self.group` holds their peer ids (base58), and `self.complete` says whether every averaged part came
+        back to this peer."""
+        self.complete, self.group = True, set()
+        partial_before = compat.partial_rounds(optimizer)
         # the higher of the tracker's last view and a fresh read: a peer whose record just expired (its reports
         # held up by a slow link) may still come, and a skipped round cannot be made up for
         peers_seen = compat.position(optimizer).peers
@@ -139,5 +145,36 @@ class FinalRound:
         if steps is None:
             logger.info("no other peer joined the final parameter round: this peer keeps those of its last round")
             return 0
+        self.complete = compat.partial_rounds(optimizer) == partial_before
+        self.group = compat.round_peers(control)
         logger.info(f"final parameters averaged by {len(steps)} peers (their steps: {steps})")
         return len(steps)
+
+
+@dataclass(frozen=True)
+class Settlement:
+    """Whose parameters a final round's peers take when some part of it came back partial: each peer keeps its own
+    values for the parts it missed, so they would end with different models. `source`: None when nothing is to be
+    done (every part came back to every peer, or no peer serves its state); `takers`: the peers that download it."""
+
+    source: str | None = None
+    takers: frozenset[str] = field(default_factory=frozenset)
+
+
+def settle(records: list[FinishedRecord]) -> Settlement:
+    """The same settlement on every peer that reads the same records: the source is the lowest peer id among the
+    peers that serve their state and got all their parts back (they hold the group's average), else among all that
+    serve it. A complete peer takes nothing from a complete source: it holds the same average already."""
+    if all(record.complete for record in records):
+        return Settlement()
+    servers = [record for record in records if record.serves_state]
+    candidates = [record for record in servers if record.complete] or servers
+    if not candidates:
+        return Settlement()
+    source = min(candidates, key=lambda record: record.peer_id)
+    takers = frozenset(
+        record.peer_id
+        for record in records
+        if record.peer_id != source.peer_id and not (record.complete and source.complete)
+    )
+    return Settlement(source.peer_id, takers)

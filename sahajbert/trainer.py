@@ -32,6 +32,7 @@ from sahajbert.stopping import (
     joins_last_step,
     last_step_is_next,
     pending_update_timeout,
+    settle,
     should_settle,
     should_stop,
 )
@@ -50,6 +51,8 @@ SETTLE_MATCHMAKING_TIMES = 2
 # dropped passes in a row, with finite parameters, that show the parameters themselves are unusable; an honest
 # fp32 model's pass is rarely non-finite at all
 DROPPED_PASSES_BEFORE_ROLLBACK = 3
+# seconds between reads of the final round's declarations while a peer waits for its groupmates' (one DHT get each)
+FINISHED_POLL_PERIOD = 0.5
 
 
 @dataclass
@@ -422,6 +425,7 @@ class TrainerPeer(SwarmPeer):
         if self.final_round is not None and not stopped:
             recent_peers = FinalRound.recent_peers([record.peers for record in self.result.steps])
             averaged_at_end = self.final_round.run(self.optimizer, recent_peers)
+            self._end_together(self.final_round.group, self.final_round.complete)
         self.compute.finish()  # an XLA device copy ends with the final parameters too
         self.result.final_step = self.optimizer.local_epoch
         # always written again at the end: a background round may have changed the parameters after the last save
@@ -429,6 +433,70 @@ class TrainerPeer(SwarmPeer):
             self._save(self.result.steps[-1].loss if self.result.steps else None, pending_wait, final=True)
         logger.info(f"stopped at global step {self.optimizer.local_epoch}" + (" (stop requested)" if stopped else ""))
         return self.result
+
+    def _end_together(self, group: set[str], complete: bool) -> None:
+        """Declare that this peer's final round ended (and whether all its parts came back), then stay up until the
+        other peers of its `group` (base58 peer ids, this one's included) have declared the same, at most one round
+        timeout. A round ends here once this peer's own averaged parts have arrived, while the parts it averaged for
+        slower groupmates may still be on their way; had its process (and p2p daemon) exited then, a groupmate on a
+        slow link ended with partial results (a 5 Mbit/s trainer in a CI run: 79% of them, and final parameters
+        0.023 apart).
+
+        If a part came back partial to any peer, the peers settle on one peer's parameters (`stopping.settle`): the
+        others download its state, and it stays up serving it until they declare they have it, at most one state
+        download. Two trainers behind NAT in a CI run each got only their own parts back (the streams between them
+        through the relay stalled) and ended 0.0024 apart. Only the records of the round's peers count, less any
+        peer this one has left out (a peer caught returning implausible averages could name itself the source)."""
+        run_id, step = self.args.swarm_args.run_id, self.optimizer.local_epoch
+        own = metrics.FinishedRecord(
+            step=step, peer_id=self.dht.peer_id.to_base58(), complete=complete, serves_state=not self.dht.client_mode
+        )
+        metrics.declare_finished(self.dht, run_id, self.public_key, own)
+        if len(group) < 2:
+            return
+        groupmates = group - compat.left_out_peers(self.optimizer)
+        records = self._await_final_records(
+            groupmates,
+            lambda records: len(records) >= len(groupmates),
+            self.timing.averaging_timeout,
+            "not every peer of the final round said its round ended: leaving anyway",
+        )
+        settlement = settle(records)
+        if own.peer_id in settlement.takers:
+            if compat.take_state_of(self.optimizer, settlement.source, self.timing.load_state_timeout):
+                logger.info(
+                    f"a part of the final round came back partial: this peer took the parameters of peer "
+                    f"{settlement.source}, for one final model"
+                )
+                metrics.declare_finished(self.dht, run_id, self.public_key, own.copy(update={"adopted": True}))
+            else:
+                logger.warning(f"could not download the final parameters of peer {settlement.source}: keeping its own")
+        elif own.peer_id == settlement.source and settlement.takers:
+            logger.info("a part of the final round came back partial: serving this peer's parameters to the others")
+            self._await_final_records(
+                groupmates,
+                lambda records: settlement.takers <= {record.peer_id for record in records if record.adopted},
+                self.timing.load_state_timeout,
+                "not every peer took this peer's final parameters: leaving anyway",
+            )
+
+    def _await_final_records(
+        self, peers: set[str], done, timeout: float, giving_up: str
+    ) -> list[metrics.FinishedRecord]:
+        """Poll the final round's declarations of `peers` at this peer's step until `done(records)`, at most
+        `timeout` seconds (then log `giving_up`); the records last read."""
+        run_id, step = self.args.swarm_args.run_id, self.optimizer.local_epoch
+        deadline = time.monotonic() + timeout
+
+        def read() -> list[metrics.FinishedRecord]:
+            return [record for record in metrics.fetch_finished(self.dht, run_id, step) if record.peer_id in peers]
+
+        while not done(records := read()):
+            if time.monotonic() >= deadline:
+                logger.info(giving_up)
+                break
+            time.sleep(FINISHED_POLL_PERIOD)
+        return records
 
     # ---- joining, state and checkpoints ----
 

@@ -9,6 +9,7 @@ PEERS peers; the last phase lasts to the end. ATTACK is one of
   scaled        gradients x1e4
   sign_flipped  gradients x-1
   bad_reducer   the parts this peer reduces come back x1e4
+  bad_final_reducer  honest until the final parameter round, whose parts this peer reduces come back x1e4
   honest        nothing wrong
 and `+progress` on any phase: progress claims of 30 steps ahead, x100 samples and x100 throughput.
 PLAN can also be [PEERS@]file:PATH: the phase is what PATH holds (ATTACK[+progress]), read at every pass, honest
@@ -33,7 +34,7 @@ from sahajbert.arguments import PeerArguments, TrainerScriptArguments  # noqa: E
 from sahajbert.cli import Flags, parse_args, setup_logging  # noqa: E402
 from sahajbert.signals import StopRequest  # noqa: E402
 
-ATTACKS = ("nan", "scaled", "sign_flipped", "bad_reducer", "honest")
+ATTACKS = ("nan", "scaled", "sign_flipped", "bad_reducer", "bad_final_reducer", "honest")
 
 
 def parse_phase(name: str) -> tuple[str, bool]:
@@ -118,6 +119,11 @@ class Attacker(trainer.TrainerPeer):
                     elif attack == "sign_flipped":
                         p.grad.neg_()
         return loss
+
+    def _finish(self, stopped):
+        if self.phase()[0] == "bad_final_reducer" and LIE_FILE is not None:
+            LIE_FILE.touch()
+        return super()._finish(stopped)
 
 
 class FullRounds(logging.Filter):

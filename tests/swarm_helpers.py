@@ -97,19 +97,38 @@ def start_peer(
 
 
 @contextlib.contextmanager
-def loopback_dhts(count: int):
-    """`count` real hivemind DHT peers in this process on 127.0.0.1, joined through the first; shut down after."""
+def loopback_dhts(count: int, record_validators: list[list] | None = None):
+    """`count` real hivemind DHT peers in this process on 127.0.0.1, joined through the first, each with its
+    `record_validators` (None: none); shut down after."""
     import hivemind
 
     host_maddrs = LOOPBACK[1:]
-    dhts = [hivemind.DHT(start=True, host_maddrs=host_maddrs)]
+    validators = record_validators or [[] for _ in range(count)]
+    dhts = [hivemind.DHT(start=True, host_maddrs=host_maddrs, record_validators=validators[0])]
     try:
-        for _ in range(count - 1):
-            dhts.append(hivemind.DHT(start=True, host_maddrs=host_maddrs, initial_peers=dhts[0].get_visible_maddrs()))
+        for own in validators[1:]:
+            joined = dict(host_maddrs=host_maddrs, initial_peers=dhts[0].get_visible_maddrs())
+            dhts.append(hivemind.DHT(start=True, record_validators=own, **joined))
         yield dhts
     finally:
         for dht in reversed(dhts):
             dht.shutdown()
+
+
+@contextlib.contextmanager
+def signed_dhts(run_id: str, count: int):
+    """`count` loopback DHT peers with the run's record validators (sahajbert.metrics), each signing with its own RSA
+    key, as trainers in separate processes do: yields [(dht, its public key)]."""
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.dht.schema import SchemaValidator
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from sahajbert.metrics import MetricSchema
+
+    signers = [RSASignatureValidator(RSAPrivateKey()) for _ in range(count)]
+    validators = [[SchemaValidator(MetricSchema, prefix=run_id), signer] for signer in signers]
+    with loopback_dhts(count, validators) as dhts:
+        yield [(dht, signer.local_public_key) for dht, signer in zip(dhts, signers)]
 
 
 def sgd_state_averager(dht, parameters: list, prefix: str, kind=None, momentum: float = 0.0, **kwargs):

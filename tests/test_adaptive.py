@@ -2,6 +2,9 @@
 
 import logging
 import runpy
+import subprocess
+import sys
+import textwrap
 from dataclasses import replace
 
 import hivemind
@@ -109,6 +112,29 @@ def test_hivemind_round_failures_are_counted_with_their_cause(caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "sahajbert.adaptive"]
     assert any("gradient averaging round failed (TimeoutError())" in line for line in lines), lines
     assert any("parameter averaging round failed" in line and "2 failed so far" in line for line in lines), lines
+
+
+@pytest.mark.slow
+def test_a_failed_link_probe_is_one_line_not_a_traceback():
+    # the probe runs in the DHT's process, which logs an exception raised there with its traceback, in the process
+    # itself: a fresh process runs a probe that fails (its peer serves none), and its whole stderr is read
+    script = textwrap.dedent(
+        """
+        import hivemind
+        from sahajbert.adaptive import measure_link
+        server = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        maddrs = [str(m) for m in server.get_visible_maddrs()]
+        client = hivemind.DHT(start=True, initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        link, why = measure_link(client, maddrs, seconds=0.5)
+        print("measured:", link, "why:", why)
+        client.shutdown()
+        server.shutdown()
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "measured: None why: " in done.stdout, done.stdout
+    assert "Traceback" not in done.stderr, done.stderr
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ from sahajbert.metrics import LocalMetrics, SwarmSummary
 from sahajbert.monitor import SwarmMonitor
 from sahajbert.train_log import read_train_log
 
-from .swarm_helpers import first_peer, kill_orphans, start_peer
+from .swarm_helpers import first_peer, kill_orphans, signed_dhts, start_peer
 from .wandb_reader import history
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -43,34 +43,16 @@ def test_monitor_counts_each_peers_samples_once_per_step():
 def test_a_start_record_naming_a_trainer_that_another_signer_names_too_is_not_trusted():
     # a trainer skips downloading the first trainer's parameters when that trainer's start record has its own digest:
     # a record forged under the first trainer's peer id must not make it skip (it would start from other parameters)
-    import hivemind
-    from hivemind.dht.crypto import RSASignatureValidator
-    from hivemind.dht.schema import SchemaValidator
-    from hivemind.utils.crypto import RSAPrivateKey
-
-    from sahajbert.metrics import MetricSchema, declare_start, fetch_starts
+    from sahajbert.metrics import declare_start, fetch_starts
 
     run_id = "starts"
-    keys = [RSAPrivateKey(), RSAPrivateKey()]  # two signers, as two processes would have
-    validators = [[SchemaValidator(MetricSchema, prefix=run_id), RSASignatureValidator(key)] for key in keys]
-    honest = hivemind.DHT(start=True, record_validators=validators[0], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    forger = hivemind.DHT(
-        initial_peers=[str(a) for a in honest.get_visible_maddrs()],
-        start=True,
-        record_validators=validators[1],
-        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-    )
-    try:
+    with signed_dhts(run_id, 2) as ((honest, honest_key), (forger, forger_key)):
         first, other = honest.peer_id.to_base58(), forger.peer_id.to_base58()
-        public = [v[1].local_public_key for v in validators]
-        assert declare_start(honest, run_id, public[0], first, "a" * 32)
-        assert declare_start(forger, run_id, public[1], other, "b" * 32)
+        assert declare_start(honest, run_id, honest_key, first, "a" * 32)
+        assert declare_start(forger, run_id, forger_key, other, "b" * 32)
         assert fetch_starts(forger, run_id) == {first: "a" * 32, other: "b" * 32}
-        assert declare_start(forger, run_id, public[1], first, "c" * 32)  # its own record, now naming the first
+        assert declare_start(forger, run_id, forger_key, first, "c" * 32)  # its own record, now naming the first
         assert fetch_starts(honest, run_id) == {}, "both records that name the first trainer are left out"
-    finally:
-        forger.shutdown()
-        honest.shutdown()
 
 
 def aux(tmp_path, name, run_id, initial_peers, *extra) -> PeerProcess:

@@ -238,3 +238,34 @@ def test_a_misbehaving_peer_cannot_poison_the_run(tmp_path):
         assert all(torch.isfinite(tensor).all() for tensor in parameters.values())
     attacked_loss = swarm_loss(logs, [STEPS - 1, STEPS])  # at the clean run's last steps: the same samples
     assert abs(attacked_loss - clean_loss) / clean_loss < 0.05, (attacked_loss, clean_loss)
+
+
+def test_a_final_round_that_a_bad_reducer_left_partial_still_ends_in_one_model(tmp_path):
+    # the attacker is honest until the final parameter round, where the parts it reduces come back x1e4: each honest
+    # trainer refuses those and keeps its own values there, so the two would end apart. They leave the attacker out,
+    # settle on one of them (stopping.settle), and the other takes its parameters
+    first, initial_peers = first_peer(tmp_path / "first_peer", "final")
+    started: list[PeerProcess] = []
+    try:
+        # it declares the fastest link, so that hivemind gives it parts to reduce (load balancing by bandwidth can
+        # leave a slower peer none of the tiny model's parameters)
+        bad = attacker(tmp_path, "final", initial_peers, "3@bad_final_reducer", "--bandwidth", "100000")
+        started.append(bad)
+        wait_for(lambda: "attacker peer id" in bad.output(), 240, "the attacker to join")
+        attacker_id = re.search(r"attacker peer id (\S+)", bad.output()).group(1)
+        run = [honest(tmp_path, f"h{i}", "final", initial_peers) for i in range(2)]
+        started += run
+        wait_all([*run, bad], 400)
+    finally:
+        for peer in started:
+            peer.stop()
+        first.stop()
+    outputs = [peer.output() for peer in run]
+    assert all("final parameters averaged by 3 peers" in out for out in outputs), outputs[0][-3000:]
+    assert all(re.search(r"Averaging: received [\d.]+% results", out) for out in outputs), "partial, for both"
+    assert all(f"peer {attacker_id} is left out of this peer's averaging" in out for out in outputs)
+    took = [out for out in outputs if "this peer took the parameters of peer" in out]
+    assert len(took) == 1, [out[-2000:] for out in outputs]
+    a, b = weights(tmp_path / "final" / "h0"), weights(tmp_path / "final" / "h1")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=f"{name} differs between peers")

@@ -11,6 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 from hivemind.averaging.control import AveragingStage
+from hivemind.compression import Float16Compression, NoCompression
+from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from sahajbert import hivemind_compat as compat
@@ -19,11 +21,12 @@ from sahajbert.stopping import (
     FinalRound,
     joins_last_step,
     last_step_is_next,
+    settle,
     should_settle,
     should_stop,
 )
 
-from .swarm_helpers import loopback_dhts, sgd_state_averager
+from .swarm_helpers import loopback_dhts, sgd_state_averager, signed_dhts
 
 
 class StandInControl(Future):
@@ -32,6 +35,7 @@ class StandInControl(Future):
     def __init__(self, stage=AveragingStage.LOOKING_FOR_GROUP):
         super().__init__()
         self.stage = stage
+        self._cancel = None  # hivemind's: the cancel future, set by StepControl.cancel
 
 
 class StandInAverager:
@@ -43,12 +47,16 @@ class StandInAverager:
         self.pending_updates = set(range(pending_rounds))
         self.rounds_land = rounds_land
         self.sync_epoch_when_averaging = False
+        self.partial_rounds = 0  # hivemind's "received N% results" rounds, as GuardedAverager counts them
 
     def set_group_bits(self, bits):
         self.calls.append(("set_group_bits", bits))
 
     def set_target_group_size(self, size):
         self.calls.append(("set_target_group_size", size))
+
+    def set_compression(self, codec):
+        self.calls.append(("set_compression", type(codec)))
 
     def schedule_step(self, scheduled_time, gather, timeout):
         self.calls.append(("schedule_step", scheduled_time - get_dht_time(), gather, timeout))
@@ -187,7 +195,8 @@ def test_the_final_round_expects_the_most_peers_of_the_recent_steps(counts, expe
 
 @pytest.mark.parametrize("client_mode, wait", [(False, 2.0), (True, 4.0)])
 def test_the_final_round_averages_under_its_own_key_and_adopts_the_highest_step(client_mode, wait):
-    averager = StandInAverager(round_result={"peer a": 5, "peer b": 6})
+    peer_a, peer_b = PeerID(b"peer a"), PeerID(b"peer b")
+    averager = StandInAverager(round_result={peer_a: 5, peer_b: 6})
     optimizer = stand_in_optimizer(
         local=5, swarm=6, peers=2, gradient_stage=AveragingStage.LOOKING_FOR_GROUP, averager=averager
     )
@@ -196,13 +205,15 @@ def test_the_final_round_averages_under_its_own_key_and_adopts_the_highest_step(
     assert final_round.run(optimizer, recent_peers=2) == 2
     assert averager.calls[0] == ("set_group_bits", FINAL_GROUP_BITS)
     assert averager.calls[1] == ("set_target_group_size", 2), "it starts once the two peers are in its group"
-    name, waits, gathered, timeout = averager.calls[2]
+    assert averager.calls[2] == ("set_compression", NoCompression), "it sends fp32, whatever the run's codec"
+    name, waits, gathered, timeout = averager.calls[3]
     # a client-mode peer waits twice the window, so that it can follow a leader that comes up to a window later
     assert name == "schedule_step" and waits == pytest.approx(wait, abs=0.5) and gathered == 5
     assert timeout == wait + 3.0
-    assert averager.calls[3] == ("step", True, True) and averager.sync_epoch_when_averaging
+    assert averager.calls[4] == ("step", True, True) and averager.sync_epoch_when_averaging
     assert optimizer.scheduled_grads.cancelled(), "a round still looking for a group is one this peer will not make"
     assert not optimizer.scheduled_state.cancelled(), "a matched round is left to finish"
+    assert final_round.group == {peer_a.to_base58(), peer_b.to_base58()} and final_round.complete
 
 
 def test_a_final_round_nobody_joined_keeps_the_parameters():
@@ -252,3 +263,96 @@ def test_a_final_round_starts_once_every_expected_peer_is_in_its_group():
         finally:
             for _, averager, _ in peers:
                 averager.shutdown()
+
+
+def test_the_final_round_leaves_peers_that_drifted_apart_with_the_same_parameters_whatever_the_run_codec():
+    # two real state averagers that average in fp16, as trainers do, whose values differ by up to 16 (overlapped
+    # DiLoCo peers drift apart between rounds) on weights of -5,000 to 5,000 (a tiny model's grew that large at a
+    # constant learning rate), through 0. hivemind returns to each peer the average minus what it received from it,
+    # in the round's codec, which the peer adds to its own value: in fp16 each kept its own rounding of that
+    # difference (up to 0.004 apart at a difference of 8) and of the value it sent (up to 4 at 5,000)
+    import torch
+
+    peers = []
+    start = []
+    with loopback_dhts(2) as dhts:
+        try:
+            for index, dht in enumerate(dhts):
+                drift = 16.0 * torch.rand(1000, generator=torch.Generator().manual_seed(index))
+                start.append(torch.linspace(-5000.0, 5000.0, 1000) + drift)
+                parameters = [torch.nn.Parameter(start[-1].clone())]
+                averager = sgd_state_averager(dht, parameters, "exact", compression=Float16Compression())
+                peers.append((parameters, averager, stand_in_optimizer(local=3, averager=averager)))
+            controls = [
+                compat.start_parameter_round(optimizer, FINAL_GROUP_BITS, 600.0, 660.0, group_size=2)
+                for _, _, optimizer in peers
+            ]
+            for control in controls:
+                assert len(control.result(timeout=150)) == 2
+            for _, _, optimizer in peers:
+                assert compat.apply_pending_updates(optimizer, timeout=30)
+            (a, *_), (b, *_) = peers
+            # the same values up to fp32's rounding of the returned difference (an ulp of 4,096-8,192 is 0.0005)
+            assert float((a[0] - b[0]).detach().abs().max()) <= 1e-3
+            assert float((a[0].detach() - (start[0] + start[1]) / 2).abs().max()) <= 1e-3, "the average, in fp32"
+        finally:
+            for _, averager, _ in peers:
+                averager.shutdown()
+
+
+def test_the_final_rounds_peers_declare_its_end_in_the_runs_schema():
+    # a trainer stays up after its final round until every peer of its group declared its own round ended: a record
+    # the run's validators refused would hold each trainer for a round timeout at every run's end
+    from sahajbert.metrics import FinishedRecord, declare_finished, fetch_finished
+
+    run_id = "ending"
+
+    def record(step, peer, **kwargs):
+        return FinishedRecord(step=step, peer_id=peer, complete=True, serves_state=True, **kwargs)
+
+    with signed_dhts(run_id, 2) as ((first, first_key), (second, second_key)):
+        assert fetch_finished(second, run_id, 5) == []
+        assert declare_finished(first, run_id, first_key, record(5, "a"))
+        assert declare_finished(second, run_id, second_key, record(4, "b"))
+        assert fetch_finished(second, run_id, 5) == [record(5, "a")], (
+            "a declaration at another step is not this round's"
+        )
+        assert declare_finished(second, run_id, second_key, record(5, "b"))
+        assert sorted(r.peer_id for r in fetch_finished(first, run_id, 5)) == ["a", "b"]
+        assert declare_finished(second, run_id, second_key, record(5, "b", adopted=True))
+        assert [r.adopted for r in fetch_finished(first, run_id, 5) if r.peer_id == "b"] == [True], "a later one wins"
+        negative = {**record(5, "b").dict(), "step": -1}
+        assert not second.store(f"{run_id}_finished", negative, get_dht_time() + 60, subkey=second_key), "schema"
+
+
+def finished(peer, complete=True, serves_state=True):
+    from sahajbert.metrics import FinishedRecord
+
+    return FinishedRecord(step=8, peer_id=peer, complete=complete, serves_state=serves_state)
+
+
+@pytest.mark.parametrize(
+    "records, source, takers",
+    [
+        # every part came back everywhere: one average already
+        ([finished("A"), finished("B"), finished("C")], None, set()),
+        # a complete peer holds the average: only the partial ones take it (the lowest complete id, on every peer)
+        (
+            [finished("A", complete=False), finished("B"), finished("C"), finished("D", complete=False)],
+            "B",
+            {"A", "D"},
+        ),
+        # all partial (two NAT'd trainers whose streams through the relay stalled): everyone takes the lowest id's
+        ([finished("B", complete=False), finished("A", complete=False)], "A", {"B"}),
+        # the source must serve its state (not a client-mode peer); a complete client takes nothing from a complete one
+        ([finished("A", serves_state=False), finished("B", complete=False), finished("C")], "C", {"B"}),
+        # the only complete peer cannot serve: a partial server is the source and everyone else takes its parameters
+        ([finished("A", serves_state=False), finished("B", complete=False)], "B", {"A"}),
+        # nobody serves: nothing can be done
+        ([finished("A", complete=False, serves_state=False), finished("B", serves_state=False)], None, set()),
+    ],
+)
+def test_a_final_round_that_came_back_partial_settles_on_one_peers_parameters(records, source, takers):
+    settlement = settle(records)
+    assert settlement.source == source and settlement.takers == takers
+    assert settle(list(reversed(records))) == settlement, "the same on every peer, whatever order it reads them in"

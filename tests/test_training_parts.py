@@ -130,9 +130,8 @@ def test_lr_schedule_shape():
     assert lr_at_step(200, 1.0, 10, 110) == 0.0
 
 
-@pytest.fixture
-def lonely_optimizer(tokenizer):
-    """A real hivemind.Optimizer in a one-peer swarm, built by the same factory as the trainer's."""
+def lonely_lockstep(tokenizer, run_id: str, target_batch_size: int = 8, averaging_timeout: float | None = None):
+    """A real hivemind.Optimizer in lockstep mode alone in its swarm, from the trainer's factory, and its DHT."""
     import hivemind
 
     from sahajbert.optim import build_collaborative_optimizer
@@ -140,16 +139,22 @@ def lonely_optimizer(tokenizer):
     model = build_model("tiny", tokenizer, seed=0)
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     peer_args = PeerArguments(
-        swarm_args=SwarmArguments(run_id="lonely"),
-        averaging_args=AveragingArguments(matchmaking_time=1.0),
+        swarm_args=SwarmArguments(run_id=run_id),
+        averaging_args=AveragingArguments(matchmaking_time=1.0, averaging_timeout=averaging_timeout),
         optimizer_args=CollaborativeOptimizerArguments(
-            target_batch_size=8, delay_optimizer_step=False, delay_grad_averaging=False
+            target_batch_size=target_batch_size, delay_optimizer_step=False, delay_grad_averaging=False
         ),
         training_args=LocalTrainingArguments(
             per_device_train_batch_size=4, learning_rate=0.01, warmup_steps=4, total_steps=100
         ),
     )
-    optimizer = build_collaborative_optimizer(model, dht, peer_args)
+    return model, build_collaborative_optimizer(model, dht, peer_args), dht
+
+
+@pytest.fixture
+def lonely_optimizer(tokenizer):
+    """A real hivemind.Optimizer in a one-peer swarm, built by the same factory as the trainer's."""
+    model, optimizer, dht = lonely_lockstep(tokenizer, "lonely")
     yield model, optimizer
     optimizer.shutdown()
     dht.shutdown()
@@ -454,14 +459,12 @@ def test_8bit_compression_sends_each_tensor_part_in_the_fewer_bytes():
 
 
 @contextlib.contextmanager
-def diloco_with_an_absent_peer(tokenizer, run_id: str, overlap: bool = False):
-    """A lonely DiLoCo optimizer (3 inner steps, 3-s rounds) beside a peer that reports progress toward its outer
-    round and never comes to it, once that peer is seen: the round looks for it and fails. Yields the model, the
-    optimizer (after 2 inner steps) and the parameters before those steps (in the outer parameters' order)."""
+def an_absent_peer(optimizer, dht, run_id: str):
+    """Beside a lonely optimizer, a peer that reports progress toward its step and never comes to its averaging
+    rounds (tests/absent_peer.py), from when that peer is seen: the optimizer's rounds look for it and fail."""
     from sahajbert import hivemind_compat as compat
     from sahajbert.localswarm import wait_for
 
-    model, optimizer, dht = lonely_diloco(tokenizer, run_id, averaging_timeout=3.0, overlap=overlap)
     absent = subprocess.Popen(
         [sys.executable, str(script("tests/absent_peer.py")), run_id, str(dht.get_visible_maddrs()[0])],
         stdin=subprocess.PIPE,
@@ -470,23 +473,66 @@ def diloco_with_an_absent_peer(tokenizer, run_id: str, overlap: bool = False):
     )
     try:
         assert absent.stdout.readline().strip() == "reporting"
-        start = [p.detach().clone() for p in compat.master_parameters(optimizer)]
-        for _ in range(2):
-            train_one_batch(model, optimizer)
         wait_for(
             lambda: compat.read_progress_now(optimizer, 5) and optimizer.tracker.global_progress.num_peers == 2,
             60,
             "the other peer's progress to be seen",
         )
-        yield model, optimizer, start
+        yield
     finally:
         absent.stdin.close()
         absent.wait(60)
+
+
+@contextlib.contextmanager
+def diloco_with_an_absent_peer(tokenizer, run_id: str, overlap: bool = False):
+    """A lonely DiLoCo optimizer (3 inner steps, 3-s rounds) beside `an_absent_peer`: its outer round looks for that
+    peer and fails. Yields the model, the optimizer (after 2 inner steps) and the parameters before those steps (in
+    the outer parameters' order)."""
+    from sahajbert import hivemind_compat as compat
+
+    model, optimizer, dht = lonely_diloco(tokenizer, run_id, averaging_timeout=3.0, overlap=overlap)
+    try:
+        start = [p.detach().clone() for p in compat.master_parameters(optimizer)]
+        for _ in range(2):
+            train_one_batch(model, optimizer)
+        with an_absent_peer(optimizer, dht, run_id):
+            yield model, optimizer, start
+    finally:
         optimizer.shutdown()
         dht.shutdown()
 
 
-def test_a_failed_outer_round_steps_on_the_peers_own_pseudo_gradient(tokenizer):
+def test_a_lockstep_step_whose_gradient_round_found_nobody_makes_no_parameter_round(tokenizer, caplog):
+    # lockstep: a gradient round in the foreground, then a parameter round. Peers one round out of phase (each in its
+    # gradient round while the others are in their parameter round) found nobody in either, for good: a peer whose
+    # gradient round found nobody makes no parameter round at that step, and its next gradient round meets theirs
+    from sahajbert import hivemind_compat as compat
+    from sahajbert.adaptive import RoundMonitor
+
+    run_id = "lockstep-phase"
+    model, optimizer, dht = lonely_lockstep(tokenizer, run_id, target_batch_size=12, averaging_timeout=3.0)
+    monitor = RoundMonitor(verbose=False).attach()
+    try:
+        train_one_batch(model, optimizer)  # (reported: until then the swarm's progress has no record of this peer)
+        with an_absent_peer(optimizer, dht, run_id), caplog.at_level("INFO", logger="sahajbert"):
+            # 8 samples of this peer's and the absent peer's 4 make the step's 12: a gradient round, which finds nobody
+            train_one_batch(model, optimizer)
+            assert optimizer.local_epoch == 1
+            # a parameter round would run in the background: any is over (and counted) once applied
+            assert compat.apply_pending_updates(optimizer, 30)
+    finally:
+        monitor.detach()
+        optimizer.shutdown()
+        dht.shutdown()
+    failed = [r.getMessage() for r in caplog.records if "averaging round failed" in r.getMessage()]
+    assert len(failed) == 1 and failed[0].startswith("a gradient averaging round failed"), failed
+    assert monitor.failed_rounds == 1
+    assert any("this step makes no parameter round" in r.getMessage() for r in caplog.records)
+    assert optimizer.average_state_every == 1, "the later steps make their parameter rounds"
+
+
+def test_a_failed_outer_round_steps_on_the_peers_own_pseudo_gradient(tokenizer, caplog):
     # another peer reports progress, so the outer round looks for it, and never comes to the round, which fails: the
     # outer step takes this peer's own pseudo-gradient (hivemind's fallback gave it zeros: the model went back to
     # where its inner steps began)
@@ -495,8 +541,11 @@ def test_a_failed_outer_round_steps_on_the_peers_own_pseudo_gradient(tokenizer):
     with diloco_with_an_absent_peer(tokenizer, "diloco-failed-round") as (model, optimizer, start):
         params = compat.master_parameters(optimizer)
         reached = [p.detach().clone() for p in params]
-        train_one_batch(model, optimizer)  # the third inner step, then the outer round, which finds nobody
+        with caplog.at_level("INFO", logger="sahajbert"):
+            train_one_batch(model, optimizer)  # the third inner step, then the outer round, which finds nobody
         assert optimizer.local_epoch == 1
+        # DiLoCo makes no parameter rounds: lockstep's rule for a gradient round that found nobody has none to skip
+        assert not any("makes no parameter round" in r.getMessage() for r in caplog.records)
         # the outer step went the way of the inner steps (the third moved the parameters on from `reached`, hence a
         # direction rather than values); with zeros it went nowhere: exactly back to the start
         moved = torch.cat([(now.detach() - begun).flatten() for begun, now in zip(start, params)])
@@ -560,6 +609,34 @@ def published_progress(dht, tracker) -> tuple[int, int] | None:
     found = dht.get(tracker.training_progress_key, latest=True)
     record = found.value.get(tracker._local_public_key) if found is not None else None
     return None if record is None else (record.value["epoch"], record.value["samples_accumulated"])
+
+
+def test_a_round_called_off_is_called_off_once(tokenizer):
+    # a round called off reads "looking for a group" until the averager's process has seen the cancel, and a second
+    # StepControl.cancel raises InvalidStateError: a DiLoCo trainer's outer round called off at its last step was
+    # called off again by the final parameter round's start, then by hivemind's shutdown (exit 1 in a CI run)
+    from hivemind.averaging.control import AveragingStage
+    from hivemind.utils import get_dht_time
+
+    from sahajbert import hivemind_compat as compat
+    from sahajbert.localswarm import wait_for
+    from sahajbert.stopping import FINAL_GROUP_BITS
+
+    model, optimizer, dht = lonely_diloco(tokenizer, "diloco-called-off")
+    try:
+        # as `_match_ahead` looks for the next outer round's group
+        scheduled = optimizer.grad_averager.schedule_step(scheduled_time=get_dht_time() + 30, timeout=60)
+        optimizer.scheduled_grads = scheduled
+        wait_for(lambda: scheduled.stage == AveragingStage.LOOKING_FOR_GROUP, 30, "the round to look for its group")
+        compat.cancel_round(scheduled)
+        compat.cancel_round(scheduled)
+        final = compat.start_parameter_round(optimizer, FINAL_GROUP_BITS, wait=0.5, timeout=3.0)
+        assert scheduled.cancelled()
+        wait_for(final.done, 30, "the final round to find nobody")
+    finally:
+        optimizer.shutdown()
+        dht.shutdown()
+    assert compat.round_steps(final) is None
 
 
 def test_a_diloco_trainer_publishes_its_progress_once_per_round_not_at_every_inner_step(tokenizer):

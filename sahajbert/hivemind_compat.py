@@ -672,10 +672,13 @@ def partial_rounds(optimizer: hivemind.Optimizer) -> int:
     return optimizer.state_averager.partial_rounds
 
 
-def take_state_of(optimizer: hivemind.Optimizer, peer_id: str, timeout: float) -> bool:
-    """Download the training state (parameters included) from peer `peer_id` (base58) alone and take it, waiting at
-    most `timeout` seconds; whether it came."""
+def take_state_of(optimizer: hivemind.Optimizer, peer_id: str, step: int, timeout: float) -> bool:
+    """Download the training state (parameters included) at global step `step` from peer `peer_id` (base58) alone
+    and take it, waiting at most `timeout` seconds; whether it came."""
     averager = optimizer.state_averager
+    # the ceiling a state may have is set afresh: the one left by this peer's last download (the swarm's step then,
+    # say 3 for a peer that caught up at step 2) refused the final state of step 9 in a test run
+    averager.state_step_ceiling = step
     before = averager.states_downloaded
     try:
         averager.load_state_from_peers(source=peer_id, timeout=timeout)

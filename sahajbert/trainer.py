@@ -463,7 +463,7 @@ class TrainerPeer(SwarmPeer):
         )
         settlement = settle(records)
         if own.peer_id in settlement.takers:
-            if compat.take_state_of(self.optimizer, settlement.source, self.timing.load_state_timeout):
+            if compat.take_state_of(self.optimizer, settlement.source, step, self.timing.load_state_timeout):
                 logger.info(
                     f"a part of the final round came back partial: this peer took the parameters of peer "
                     f"{settlement.source}, for one final model"

@@ -280,6 +280,9 @@ class Timing:
     # train yet (they download the first trainer's parameters first)
     join_wait: float
     load_state_timeout: float  # one download of the swarm's state (parameters and LAMB's two moments)
+    # matchmaking's wait for a potential leader's answer: a peer that gives up on it leaves a group that the leader
+    # may still assemble with it, and then waits out its round for a member that is not there
+    request_timeout: float = 3.0
 
 
 # the bounds every automatic value stays within (seconds): below them a slow CPU or a busy machine breaks rounds
@@ -293,6 +296,13 @@ LOAD_STATE_BOUNDS = (30.0, 3600.0)
 REFRESH_BOUNDS = (1.0, 10.0)
 # a round is given this many times its estimated duration: peers slower than this one share the round
 ROUND_SAFETY = 3.0
+# hivemind's own wait for a leader's answer (s), enough for a few round trips on an idle link
+HIVEMIND_REQUEST_TIMEOUT = 3.0
+# bytes that a join request's answer can queue behind when another round fills the link (a Linux TCP send buffer at
+# its default ceiling, tcp_wmem): with delayed updates a step's parameter round looks for its group while the
+# gradient round still sends, and on a 5 Mbit/s uplink 3 s was too short (benchmarks/README.md, sahajbert preset)
+IN_FLIGHT_BYTES = 4 * 2**20
+REQUEST_TIMEOUT_BOUNDS = (HIVEMIND_REQUEST_TIMEOUT, 30.0)
 
 
 def clamp(value: float, bounds: tuple[float, float]) -> float:
@@ -327,8 +337,16 @@ def plan_timing(
     averaging_timeout = chosen(
         "averaging_timeout", clamp(ROUND_SAFETY * both + 10 * link.round_trip_s + 15, AVERAGING_TIMEOUT_BOUNDS)
     )
+    queued = min(IN_FLIGHT_BYTES, gradient_bytes + state_bytes) * 8 / (link.bandwidth_mbit * 1e6)
+    request_timeout = clamp(HIVEMIND_REQUEST_TIMEOUT + queued, REQUEST_TIMEOUT_BOUNDS)
+    # hivemind needs its request timeout below the matchmaking time (a leader's search outlives its requests): the
+    # automatic matchmaking time stays 1 s above it, and an explicit one bounds it (hivemind's 3 s at the least)
+    matchmaking_time = chosen(
+        "matchmaking_time", max(clamp(20 * link.round_trip_s, MATCHMAKING_BOUNDS), request_timeout + 1)
+    )
+    request_timeout = min(request_timeout, max(HIVEMIND_REQUEST_TIMEOUT, matchmaking_time - 1))
     return Timing(
-        matchmaking_time=chosen("matchmaking_time", clamp(20 * link.round_trip_s, MATCHMAKING_BOUNDS)),
+        matchmaking_time=matchmaking_time,
         averaging_timeout=averaging_timeout,
         # a part's next chunk may queue behind the whole round on a slow link; never longer than half the round
         next_chunk_timeout=chosen(
@@ -345,6 +363,7 @@ def plan_timing(
         # a newcomer downloads parameters and LAMB's two moments (3x the parameter bytes), as fast as this link
         join_wait=clamp(2 * download + 20, JOIN_WAIT_BOUNDS),
         load_state_timeout=chosen("load_state_timeout", clamp(3 * download + 30, LOAD_STATE_BOUNDS)),
+        request_timeout=request_timeout,
     )
 
 
@@ -422,7 +441,7 @@ class RoundMonitor(logging.Filter):
 
 def explicit_timing(peer_args: PeerArguments) -> dict[str, float | None]:
     """The timing values given by a flag, a settings file or --recipe (None: automatic), by Timing field name."""
-    names = [f.name for f in fields(Timing) if f.name != "join_wait"]
+    names = [f.name for f in fields(Timing) if f.name not in ("join_wait", "request_timeout")]
     values = {**vars(peer_args.averaging_args), "max_refresh_period": peer_args.optimizer_args.max_refresh_period}
     return {name: values[name] for name in names}
 
@@ -466,8 +485,9 @@ def tune(
     bandwidth = f"{timing.bandwidth:g} Mbit/s" if timing.bandwidth is not None else "equal shares"
     logger.info(
         f"{measured}; averaging {(gradient_bytes + state_bytes) / 1e6:.1f} MB per step: matchmaking "
-        f"{timing.matchmaking_time:.0f} s, round timeout {timing.averaging_timeout:.0f} s, chunk timeout "
-        f"{timing.next_chunk_timeout:.0f} s, final window {timing.final_averaging_window:.0f} s, state download "
+        f"{timing.matchmaking_time:.0f} s (requests {timing.request_timeout:.0f} s), round timeout "
+        f"{timing.averaging_timeout:.0f} s, chunk timeout {timing.next_chunk_timeout:.0f} s, final window "
+        f"{timing.final_averaging_window:.0f} s, state download "
         f"timeout {timing.load_state_timeout:.0f} s, bandwidth {bandwidth}"
     )
     watch = None

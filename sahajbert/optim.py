@@ -182,7 +182,7 @@ def build_collaborative_optimizer(
         parameters = sum(p.numel() for p in model.parameters())
         payload = payload_bytes(parameters, averaging_args.compression)
         timing = plan_timing(*payload, None, explicit_timing(peer_args), round_wait_of(peer_args))
-    averager_opts = {}
+    averager_opts = {"request_timeout": timing.request_timeout}
     if timing.bandwidth is not None:
         averager_opts["bandwidth"] = timing.bandwidth
     if averaging_args.target_group_size is not None:
@@ -223,7 +223,7 @@ def build_collaborative_optimizer(
             grad_compression=make_compression(optimizer_args.pseudo_gradient_compression),
             state_averaging_compression=state_compression,
             load_state_compression=state_compression,
-            averager_opts=averager_opts or None,
+            averager_opts=averager_opts,
             grad_averager_factory=compat.gradient_averager_factory(gate, aggregation, **averager_opts),
             tracker_opts={
                 "metadata_expiration": optimizer_args.metadata_expiration,
@@ -257,7 +257,7 @@ def build_collaborative_optimizer(
         grad_compression=compression,
         state_averaging_compression=state_compression,
         load_state_compression=state_compression,
-        averager_opts=averager_opts or None,
+        averager_opts=averager_opts,
         grad_averager_factory=None
         if optimizer_args.use_local_updates
         else compat.gradient_averager_factory(gate, aggregation, **averager_opts),

@@ -61,6 +61,24 @@ def test_timing_grows_with_the_model_and_shrinks_with_the_link():
     assert plan_timing(*tiny, LinkEstimate(1000.0, 1000.0, 0.5), NOTHING_EXPLICIT).matchmaking_time == 10.0
 
 
+def test_a_join_request_waits_for_an_answer_that_queues_behind_another_round():
+    sahajbert = payload_bytes(count_parameters(read_config("sahajbert")), "fp16")
+    tiny = payload_bytes(count_parameters(read_config("tiny")), "fp16")
+    slow = LinkEstimate(upload_mbit=4.8, download_mbit=15.4, round_trip_s=0.1)
+    # sahajBERT on a 5 Mbit/s uplink: a send buffer of gradient chunks (4 MiB) ahead of the answer takes ~7 s
+    big_slow = plan_timing(*sahajbert, slow, NOTHING_EXPLICIT)
+    assert big_slow.request_timeout == pytest.approx(3.0 + 4 * 2**20 * 8 / 4.8e6)
+    assert big_slow.matchmaking_time > big_slow.request_timeout, "hivemind needs requests shorter than the search"
+    # the tiny model's whole payload is what can queue: its timing stays as it was (hivemind's 3 s, 5 s search)
+    small_slow = plan_timing(*tiny, slow, NOTHING_EXPLICIT)
+    assert small_slow.request_timeout == pytest.approx(3.0 + sum(tiny) * 8 / 4.8e6)
+    assert small_slow.matchmaking_time == 5.0
+    assert plan_timing(*tiny, LinkEstimate(1000.0, 1000.0, 0.001), NOTHING_EXPLICIT).request_timeout < 3.01
+    # an explicit matchmaking time bounds the requests, down to hivemind's own 3 s
+    assert plan_timing(*sahajbert, slow, {"matchmaking_time": 6.0}).request_timeout == 5.0
+    assert plan_timing(*sahajbert, slow, {"matchmaking_time": 1.0}).request_timeout == 3.0
+
+
 def test_without_a_measurement_the_split_stays_equal_and_the_timing_assumes_a_modest_link():
     timing = plan_timing(1e8, 1e8, None, NOTHING_EXPLICIT)
     assert timing.bandwidth is None

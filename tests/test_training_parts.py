@@ -8,6 +8,7 @@ import runpy
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -198,6 +199,27 @@ def train_one_batch(model, optimizer):
     model(**batch).loss.backward()
     optimizer.step(batch_size=4)
     optimizer.zero_grad()
+
+
+def test_both_averagers_wait_the_planned_time_for_a_leaders_answer(tokenizer):
+    import hivemind
+
+    from sahajbert.adaptive import plan_timing
+    from sahajbert.optim import build_collaborative_optimizer
+
+    model = build_model("tiny", tokenizer, seed=0)
+    timing = replace(plan_timing(1e6, 1e6, None, {}), request_timeout=7.5, matchmaking_time=9.0)
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    optimizer = build_collaborative_optimizer(
+        model, dht, PeerArguments(swarm_args=SwarmArguments(run_id="ask")), timing=timing
+    )
+    try:
+        # hivemind gives averager_opts to the state averager only; the gradient averager gets it by our factory
+        for averager in (optimizer.grad_averager, optimizer.state_averager):
+            assert averager.matchmaking_kwargs["request_timeout"] == 7.5, type(averager).__name__
+    finally:
+        optimizer.shutdown()
+        dht.shutdown()
 
 
 def test_schedule_follows_the_global_step_not_mini_steps(lonely_optimizer):

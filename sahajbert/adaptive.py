@@ -282,7 +282,7 @@ class Timing:
     load_state_timeout: float  # one download of the swarm's state (parameters and LAMB's two moments)
     # matchmaking's wait for a potential leader's answer: a peer that gives up on it leaves a group that the leader
     # may still assemble with it, and then waits out its round for a member that is not there
-    request_timeout: float = 3.0
+    request_timeout: float
 
 
 # the bounds every automatic value stays within (seconds): below them a slow CPU or a busy machine breaks rounds

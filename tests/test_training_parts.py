@@ -131,8 +131,11 @@ def test_lr_schedule_shape():
     assert lr_at_step(200, 1.0, 10, 110) == 0.0
 
 
-def lonely_lockstep(tokenizer, run_id: str, target_batch_size: int = 8, averaging_timeout: float | None = None):
-    """A real hivemind.Optimizer in lockstep mode alone in its swarm, from the trainer's factory, and its DHT."""
+def lonely_lockstep(
+    tokenizer, run_id: str, target_batch_size: int = 8, averaging_timeout: float | None = None, timing=None
+):
+    """A real hivemind.Optimizer in lockstep mode alone in its swarm, from the trainer's factory, and its DHT
+    (`timing`: sahajbert.adaptive's plan, as the trainer passes it; None: planned by the factory)."""
     import hivemind
 
     from sahajbert.optim import build_collaborative_optimizer
@@ -149,7 +152,7 @@ def lonely_lockstep(tokenizer, run_id: str, target_batch_size: int = 8, averagin
             per_device_train_batch_size=4, learning_rate=0.01, warmup_steps=4, total_steps=100
         ),
     )
-    return model, build_collaborative_optimizer(model, dht, peer_args), dht
+    return model, build_collaborative_optimizer(model, dht, peer_args, timing=timing), dht
 
 
 @pytest.fixture
@@ -202,17 +205,10 @@ def train_one_batch(model, optimizer):
 
 
 def test_both_averagers_wait_the_planned_time_for_a_leaders_answer(tokenizer):
-    import hivemind
-
     from sahajbert.adaptive import plan_timing
-    from sahajbert.optim import build_collaborative_optimizer
 
-    model = build_model("tiny", tokenizer, seed=0)
     timing = replace(plan_timing(1e6, 1e6, None, {}), request_timeout=7.5, matchmaking_time=9.0)
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    optimizer = build_collaborative_optimizer(
-        model, dht, PeerArguments(swarm_args=SwarmArguments(run_id="ask")), timing=timing
-    )
+    _, optimizer, dht = lonely_lockstep(tokenizer, "ask", timing=timing)
     try:
         # hivemind gives averager_opts to the state averager only; the gradient averager gets it by our factory
         for averager in (optimizer.grad_averager, optimizer.state_averager):

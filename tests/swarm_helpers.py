@@ -1,13 +1,22 @@
 """Settings shared by the integration tests; the process handling itself is the library's (sahajbert.localswarm)."""
 
 import contextlib
+import functools
+import itertools
 import sys
 from pathlib import Path
 
 import psutil
+import torch
 
+from sahajbert.arguments import CorpusArguments
 from sahajbert.checkpoints import list_checkpoints
+from sahajbert.collators import PretrainingCollator
 from sahajbert.localswarm import LOOPBACK, PeerProcess, start_first_peer, tiny_trainer_flags
+from sahajbert.model import build_model, load_model
+from sahajbert.samples import SAMPLE_FILES
+from sahajbert.stream import batched, iterate_examples
+from sahajbert.tokenization import load_tokenizer
 from sahajbert.train_log import StepRecord, read_train_log
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: the scripts under test live here
@@ -69,6 +78,28 @@ def swarm_loss(logs: list[list[StepRecord]], steps) -> float:
     """
     records = [r for log in logs for r in log if r.step in set(steps)]
     return sum(r.loss * r.mini_steps for r in records) / sum(r.mini_steps for r in records)
+
+
+@functools.cache
+def _fixed_batches() -> list[dict]:
+    tokenizer = load_tokenizer("sample")
+    corpus = CorpusArguments(sources=[], data_files=list(SAMPLE_FILES), shuffle_buffer=200, max_seq_length=64)
+    collator = PretrainingCollator.from_tokenizer(tokenizer, seed=999)
+    return list(itertools.islice(batched(iterate_examples(corpus, tokenizer, seed=999), 32, collator), 8))
+
+
+def fixed_batch_loss(checkpoint: Path | None) -> float:
+    """The pretraining loss of a checkpoint (None: the tiny model as every test run initializes it, seed 0) on one
+    fixed set of 256 sample examples with fixed masks.
+
+    Tells whether a short run learned: the same examples for both models leave only the training's own noise. A
+    train-log step record is no such measure: its loss is over that peer's mini-steps of the step, which can be one
+    batch of 8 (a tiny run learns about 0.005 per step of 96 samples; its records scatter by more).
+    """
+    model = load_model(checkpoint) if checkpoint is not None else build_model("tiny", load_tokenizer("sample"), 0)
+    model.eval()
+    with torch.no_grad():
+        return sum(model(**batch).loss.item() for batch in _fixed_batches()) / len(_fixed_batches())
 
 
 def start_peer(

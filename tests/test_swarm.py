@@ -14,7 +14,16 @@ from sahajbert.localswarm import PeerProcess, peer_env, wait_for
 from sahajbert.model import load_model
 from sahajbert.train_log import read_train_log as train_log
 
-from .swarm_helpers import LOCAL, final_step, first_peer, last_step, script, start_peer, swarm_loss
+from .swarm_helpers import (
+    LOCAL,
+    final_step,
+    first_peer,
+    fixed_batch_loss,
+    last_step,
+    script,
+    start_peer,
+    swarm_loss,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -69,8 +78,9 @@ def test_two_trainers_make_global_steps_and_agree(tmp_path, swarm):
     assert latest_checkpoint(tmp_path / "t0").name == latest_checkpoint(tmp_path / "t1").name == "checkpoint-5"
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=2e-3, rtol=1e-2, msg=f"{name} differs between peers")
-    # the loss goes down (first vs last step, each averaged over a peer's mini-steps)
-    assert swarm_loss(logs, [5]) < swarm_loss(logs, [1]), [[round(r.loss, 3) for r in log] for log in logs]
+    # the swarm learned: the final model's loss on fixed examples is below the initial model's
+    learned = fixed_batch_loss(latest_checkpoint(tmp_path / "t0"))
+    assert learned < fixed_batch_loss(None), [[round(r.loss, 3) for r in log] for log in logs]
     # the checkpoint is a transformers model with its tokenizer beside it
     checkpoint = latest_checkpoint(tmp_path / "t0")
     assert AutoTokenizer.from_pretrained(checkpoint).mask_token_id == 4

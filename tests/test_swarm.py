@@ -78,11 +78,11 @@ def test_two_trainers_make_global_steps_and_agree(tmp_path, swarm):
     assert latest_checkpoint(tmp_path / "t0").name == latest_checkpoint(tmp_path / "t1").name == "checkpoint-5"
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=2e-3, rtol=1e-2, msg=f"{name} differs between peers")
+    checkpoint = latest_checkpoint(tmp_path / "t0")
     # the swarm learned: the final model's loss on fixed examples is below the initial model's
-    learned = fixed_batch_loss(latest_checkpoint(tmp_path / "t0"))
+    learned = fixed_batch_loss(checkpoint)
     assert learned < fixed_batch_loss(None), [[round(r.loss, 3) for r in log] for log in logs]
     # the checkpoint is a transformers model with its tokenizer beside it
-    checkpoint = latest_checkpoint(tmp_path / "t0")
     assert AutoTokenizer.from_pretrained(checkpoint).mask_token_id == 4
 
 

@@ -37,15 +37,14 @@ BATCH = 8  # samples per pass (tiny_trainer_flags' --per_device_train_batch_size
 FAR = 1_000_000  # --total_steps: a schedule that stays at its peak over the run
 
 
-AWAITED, OVERLAPPED, EAGER = 0, 1, 2  # DiLoCo's rounds: awaited, --diloco_overlap, and also --diloco_eager
-Mode = tuple[int, int]  # (H: 0 is data parallelism, AWAITED / OVERLAPPED / EAGER)
+Mode = tuple[int, bool]  # (H: 0 is data parallelism, --diloco_overlap)
 
 
 def mode_name(mode: Mode) -> str:
     inner_steps, overlap = mode
     if inner_steps == 0:
         return "data parallel"
-    return f"DiLoCo H={inner_steps}" + {AWAITED: "", OVERLAPPED: ", overlapped", EAGER: ", overlapped, eager"}[overlap]
+    return f"DiLoCo H={inner_steps}" + (", overlapped" if overlap else "")
 
 
 def run_mode(args, mode: Mode, work: Path, matched: bool = False) -> dict:
@@ -63,7 +62,7 @@ def run_mode(args, mode: Mode, work: Path, matched: bool = False) -> dict:
     else:
         per_step = args.trainers * inner_steps * BATCH
     steps = math.ceil((args.step_matched_samples if matched else args.samples) / per_step)
-    output = work / ("matched.json" if matched else f"h{inner_steps}{'aoe'[overlap]}.json")
+    output = work / ("matched.json" if matched else f"h{inner_steps}{'o' if overlap else ''}.json")
     command = [sys.executable, str(ROOT / "benchmarks" / "netswarm.py"), "--profile", args.profile]
     command += ["--trainers", str(args.trainers), "--max_steps", str(steps), "--model", args.model]
     command += ["--per_device_train_batch_size", str(per_pass)]
@@ -73,8 +72,7 @@ def run_mode(args, mode: Mode, work: Path, matched: bool = False) -> dict:
     command += ["--timeout", str(args.timeout), "--output_json", str(output)]
     if inner_steps:
         command += ["--diloco_inner_steps", str(inner_steps), "--learning_rate", str(args.inner_lr)]
-        command += ["--diloco_overlap"] if overlap in (OVERLAPPED, EAGER) else []
-        command += ["--diloco_eager"] if overlap == EAGER else []
+        command += ["--diloco_overlap"] if overlap else []
     else:
         command += ["--learning_rate", str(args.inner_lr if matched else args.dp_lr)]
     print("running:", " ".join(command[1:]), flush=True)
@@ -138,10 +136,10 @@ def svg_plot(results: dict[Mode, dict], path: Path) -> None:
         f"loss ({low:.2f} to {high:.2f})</text>",
     ]
     for index, (mode, result) in enumerate(sorted(results.items())):
-        # one colour per H; an overlapped run is drawn dashed in its H's colour, an eager one dotted
+        # one colour per H; an overlapped run is drawn dashed in its H's colour
         colour = colours[sorted({m[0] for m in results}).index(mode[0]) % len(colours)]
-        dash = {AWAITED: "", OVERLAPPED: ' stroke-dasharray="6 4"', EAGER: ' stroke-dasharray="2 3"'}[mode[1]]
-        label = mode_name(mode) + {AWAITED: "", OVERLAPPED: " (dashed)", EAGER: " (dotted)"}[mode[1]]
+        dash = ' stroke-dasharray="6 4"' if mode[1] else ""
+        label = mode_name(mode) + (" (dashed)" if mode[1] else "")
         lines.append(
             f'<polyline fill="none" stroke="{colour}" stroke-width="2"{dash} '
             f'points="{" ".join(xy(p) for p in result["curve"])}"/>'
@@ -160,10 +158,9 @@ def main(argv=None) -> int:
     parser.add_argument("--inner_steps", type=int, nargs="+", default=[10, 50, 200], help="DiLoCo's H values")
     parser.add_argument(
         "--overlap",
-        choices=["off", "on", "both", "eager", "all"],
+        choices=["off", "on", "both"],
         default="off",
-        help="DiLoCo's --diloco_overlap: off, on, or both (every H run twice); eager: overlapped without and with "
-        "--diloco_eager; all: awaited, overlapped and eager",
+        help="DiLoCo's --diloco_overlap: off, on, or both (every H run twice)",
     )
     parser.add_argument("--dp_lr", type=float, default=0.1, help="data parallelism's LAMB learning rate")
     parser.add_argument("--inner_lr", type=float, default=0.01, help="DiLoCo's inner LAMB learning rate")
@@ -186,14 +183,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.step_matched_samples < 0:
         parser.error(f"--step_matched_samples must be 0 (not run) or more, got {args.step_matched_samples}")
-    overlaps = {
-        "off": [AWAITED],
-        "on": [OVERLAPPED],
-        "both": [AWAITED, OVERLAPPED],
-        "eager": [OVERLAPPED, EAGER],
-        "all": [AWAITED, OVERLAPPED, EAGER],
-    }[args.overlap]
-    modes = [(0, AWAITED), *[(h, overlap) for h in args.inner_steps for overlap in overlaps]]
+    overlaps = {"off": [False], "on": [True], "both": [False, True]}[args.overlap]
+    modes = [(0, False), *[(h, overlap) for h in args.inner_steps for overlap in overlaps]]
     results: dict[Mode, dict] = {}
     matched = None
     with tempfile.TemporaryDirectory(prefix="bench-diloco-") as tmp:
@@ -201,12 +192,12 @@ def main(argv=None) -> int:
             for mode in modes:
                 results[mode] = run_mode(args, mode, Path(tmp))
             if args.step_matched_samples:
-                matched = run_mode(args, (0, AWAITED), Path(tmp), matched=True)
+                matched = run_mode(args, (0, False), Path(tmp), matched=True)
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
     common = min(r["curve"][-1]["samples"] for r in results.values())
-    dp = results[(0, AWAITED)]
+    dp = results[(0, False)]
     dp_loss = tail_loss(dp["curve"], common)
     print(f"\n    sudo python benchmarks/bench_diloco.py {' '.join(argv if argv is not None else sys.argv[1:])}\n")
     print(

@@ -302,8 +302,6 @@ def trainer_args(args, run_id: str, initial_peers: list[str], ip: str, output_di
         flags += ["--diloco_inner_steps", str(args.diloco_inner_steps)]
         if args.diloco_overlap:  # the round averages behind the next inner steps
             flags += ["--diloco_overlap"]
-        if args.diloco_eager:  # ... from an estimate of its outer step
-            flags += ["--diloco_eager"]
     return flags + (["--client_mode"] if client else [])
 
 
@@ -649,7 +647,6 @@ def summarize(args, workdir: Path, trainers: dict, kills: list[float], sent_byte
         "parameters_agree": agree,
         "diloco_inner_steps": args.diloco_inner_steps,
         "diloco_overlap": args.diloco_overlap,
-        "diloco_eager": args.diloco_eager,
         # the swarm's loss by the samples it had trained: each global step's mean loss over its peers' passes
         "curve": loss_curve(records),
     }
@@ -795,9 +792,6 @@ def main(argv=None) -> int:
     )
     parser.add_argument(
         "--diloco_overlap", action="store_true", help="DiLoCo: every trainer's --diloco_overlap (background rounds)"
-    )
-    parser.add_argument(
-        "--diloco_eager", action="store_true", help="DiLoCo: every trainer's --diloco_eager (with --diloco_overlap)"
     )
     parser.add_argument("--learning_rate", type=float, default=None, help="every trainer's --learning_rate")
     parser.add_argument("--total_steps", type=int, default=None, help="every trainer's --total_steps (schedule)")

@@ -410,16 +410,6 @@ class CollaborativeOptimizerArguments:
             "Off: every trainer waits for its round after its inner steps."
         },
     )
-    diloco_eager: bool = field(
-        default=False,
-        metadata={
-            "help": "DiLoCo with --diloco_overlap: as a round is sent, take the outer step on an estimate of its "
-            "average (this peer's share of its fresh pseudo-gradient plus the others' part of the last round's "
-            "average: Kale et al. 2025's eager update) and run the next inner steps from there; when the round ends, "
-            "correct by the difference to the true outer step. The inner steps in flight start nearer where they are "
-            "applied. Keeps one more model-size tensor in memory."
-        },
-    )
     diloco_wait: float = field(
         default=60.0,
         metadata={
@@ -460,8 +450,6 @@ class CollaborativeOptimizerArguments:
             raise ValueError("--diloco_inner_steps and --use_local_updates are two different modes: choose one")
         if self.diloco_overlap and not self.diloco_inner_steps:
             raise ValueError("--diloco_overlap overlaps DiLoCo's outer rounds: it needs --diloco_inner_steps")
-        if self.diloco_eager and not self.diloco_overlap:
-            raise ValueError("--diloco_eager estimates an outer round in flight: it needs --diloco_overlap")
         if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1 or self.diloco_wait < 0:
             raise ValueError(
                 f"DiLoCo needs --outer_lr > 0, 0 <= --outer_momentum < 1 and --diloco_wait >= 0; got "

@@ -1632,16 +1632,6 @@ class DiLoCoOptimizer(GuardedOptimizer):
     within 10% of H inner steps (where a round outlasts them, at small H on slow links, a looser bound would make
     every outer step one of more inner steps than H, and the one-round delay's loss worse).
 
-    With `eager` (and overlap), the model does not wait for the round to move: as the round is sent, it takes the
-    outer step on an estimate of the round's average, and its next inner steps run from there; when the round ends,
-    the model moves by as much as the true outer step differs from the estimate (it keeps its inner progress, as
-    above). The estimate is Kale et al. 2025's eager update: this peer's share of its fresh pseudo-gradient plus the
-    other peers' part of the previous round's average (their pseudo-gradients of a round ago), each peer's share
-    taken as 1/group size; without a previous round, this peer's own pseudo-gradient. The outer parameters and
-    the outer optimizer's state (what the swarm shares) are unchanged by the estimate, and every peer lands on the
-    same outer step; only where the inner steps in flight start differs. It keeps one more model-size tensor (the
-    others' part) between rounds.
-
     `inner_optimizer`: a factory over the parameter groups; `inner_lr(step)`: its learning rate at an inner step,
     counted over the run (global step x H + the inner steps since); `wait`: seconds a peer that made its H steps
     waits for every other trainer to make theirs (its round starts as soon as the group holds all of them), 0: the
@@ -1658,18 +1648,12 @@ class DiLoCoOptimizer(GuardedOptimizer):
         inner_steps: int,
         wait: float,
         overlap: bool = False,
-        eager: bool = False,
         last_step: int | None = None,
         **kwargs,
     ):
-        if eager and not overlap:
-            raise ValueError("DiLoCo's eager outer step estimates a round in flight: it needs overlap")
         # copies: a torch optimizer writes its settings into the groups it is given, and the outer one gets them too
         self.inner = inner_optimizer([dict(group) for group in kwargs["params"]])
         self.inner_lr, self.inner_steps, self.wait, self.overlap = inner_lr, inner_steps, wait, overlap
-        self.eager = eager
-        # eager: the other peers' part of the last round's average (the average less this peer's share of it)
-        self.others_part: list[torch.Tensor] | None = None
         # with overlap: the most inner steps an outer step takes while its round in flight waits for a slower peer
         self.most_inner_steps = inner_steps + max(1, inner_steps // 10)
         self.last_step = last_step
@@ -1854,8 +1838,6 @@ class DiLoCoOptimizer(GuardedOptimizer):
         self.read_ahead_from = None
         # alone, there is no round to overlap: the outer step is made now
         if self.overlap and peers > 1 and super()._begin_averaging_gradients(None):
-            if self.eager:
-                self._take_eager_step(outer, 1.0 / peers)
             self.sent_parameters = [p.detach().clone() for p in self.state_averager.main_parameters]
             logger.log(self.status_loglevel, "Outer round sent: the next inner steps run while it averages")
         else:
@@ -1864,38 +1846,6 @@ class DiLoCoOptimizer(GuardedOptimizer):
             finally:
                 self.own_pseudo_gradient = None
         self.zero_grad(set_to_none=True)
-
-    @torch.no_grad()
-    def _take_eager_step(self, outer: list[torch.Tensor], share: float) -> None:
-        """Move the model to where the outer optimizer would take the outer parameters on the estimated average:
-        `share` of this peer's pseudo-gradient plus the others' part of the last round's (Nesterov SGD, as
-        torch's: buffer = momentum x buffer + g, step = lr x (g + momentum x buffer)); the optimizer's state is only
-        read."""
-        groups = {id(p): group for group in self.state_averager.optimizer.param_groups for p in group["params"]}
-        others = self.others_part or [None] * len(outer)
-        for model_param, outer_param, own, other in zip(
-            self.state_averager.main_parameters, outer, self.own_pseudo_gradient, others, strict=True
-        ):
-            estimate = own.to(outer_param.device) if other is None else other + share * own.to(outer_param.device)
-            group = groups[id(outer_param)]
-            buffer = self.state_averager.optimizer.state.get(outer_param, {}).get("momentum_buffer")
-            buffer = estimate if buffer is None else group["momentum"] * buffer + estimate
-            moved = outer_param - group["lr"] * (estimate + group["momentum"] * buffer)
-            model_param.copy_(moved.to(model_param.device))
-
-    @torch.no_grad()
-    def _load_averaged_gradients_into_optimizer_(self, own_share: float | None = None):
-        """hivemind's (the averaged pseudo-gradient is the outer parameters' gradient already); with `eager`, it
-        also keeps the other peers' part of it for the next round's estimate. `own_share`: this peer's share of the
-        average (None: 1 / the size of the round's group, which hivemind calls this for once it has succeeded)."""
-        super()._load_averaged_gradients_into_optimizer_()
-        if not self.eager or self.own_pseudo_gradient is None:
-            return
-        share = own_share if own_share is not None else 1.0 / max(1, len(round_peers(self.scheduled_grads)))
-        outer = [p for group in self.state_averager.optimizer.param_groups for p in group["params"]]
-        self.others_part = [
-            p.grad - share * own.to(p.device) for p, own in zip(outer, self.own_pseudo_gradient, strict=True)
-        ]
 
     def finish_outer_round(self, timeout: float | None = None) -> None:
         """With overlap: wait for the round in flight (at most `timeout` seconds, then it is cancelled; None: the
@@ -1934,7 +1884,7 @@ class DiLoCoOptimizer(GuardedOptimizer):
         with self.grad_averager.get_tensors() as averaged:
             for target, own in zip(averaged, self.own_pseudo_gradient):
                 target.copy_(own)
-        self._load_averaged_gradients_into_optimizer_(own_share=1.0)
+        self._load_averaged_gradients_into_optimizer_()
 
     def load_state_from_peers(self, **kwargs):
         self.finish_outer_round()  # its result lands in the tensors the download replaces

@@ -204,7 +204,6 @@ def build_collaborative_optimizer(
             inner_steps=optimizer_args.diloco_inner_steps,
             wait=optimizer_args.diloco_wait,
             overlap=optimizer_args.diloco_overlap,
-            eager=optimizer_args.diloco_eager,
             last_step=None if auxiliary else training_args.max_steps,
             gate=gate,
             aggregation=aggregation,

@@ -171,7 +171,6 @@ def lonely_diloco(
     averaging_timeout: float | None = None,
     overlap: bool = False,
     max_steps: int | None = None,
-    eager: bool = False,
 ):
     """A DiLoCo optimizer alone in its swarm, from the trainer's factory, and its DHT."""
     import hivemind
@@ -184,7 +183,7 @@ def lonely_diloco(
         swarm_args=SwarmArguments(run_id=run_id),
         averaging_args=AveragingArguments(matchmaking_time=1.0, averaging_timeout=averaging_timeout),
         optimizer_args=CollaborativeOptimizerArguments(
-            diloco_inner_steps=inner_steps, diloco_wait=0, diloco_overlap=overlap, diloco_eager=eager
+            diloco_inner_steps=inner_steps, diloco_wait=0, diloco_overlap=overlap
         ),
         training_args=LocalTrainingArguments(
             per_device_train_batch_size=4, learning_rate=0.01, warmup_steps=1, total_steps=1000, max_steps=max_steps
@@ -504,13 +503,13 @@ def an_absent_peer(optimizer, dht, run_id: str):
 
 
 @contextlib.contextmanager
-def diloco_with_an_absent_peer(tokenizer, run_id: str, overlap: bool = False, eager: bool = False):
+def diloco_with_an_absent_peer(tokenizer, run_id: str, overlap: bool = False):
     """A lonely DiLoCo optimizer (3 inner steps, 3-s rounds) beside `an_absent_peer`: its outer round looks for that
     peer and fails. Yields the model, the optimizer (after 2 inner steps) and the parameters before those steps (in
     the outer parameters' order)."""
     from sahajbert import hivemind_compat as compat
 
-    model, optimizer, dht = lonely_diloco(tokenizer, run_id, averaging_timeout=3.0, overlap=overlap, eager=eager)
+    model, optimizer, dht = lonely_diloco(tokenizer, run_id, averaging_timeout=3.0, overlap=overlap)
     try:
         start = [p.detach().clone() for p in compat.master_parameters(optimizer)]
         for _ in range(2):
@@ -602,48 +601,6 @@ def test_an_overlapped_outer_round_runs_behind_the_next_inner_steps_which_keep_t
             expected_outer = begun - 0.7 * 1.9 * (begun - reached)
             torch.testing.assert_close(outer_now.detach(), expected_outer, rtol=1e-4, atol=1e-6)
             torch.testing.assert_close(now.detach(), expected_outer + d, rtol=1e-4, atol=1e-6)
-
-
-def test_an_eager_diloco_trainer_steps_on_an_estimate_and_lands_on_the_true_outer_step(tokenizer):
-    # --diloco_eager: as the round is sent, the model takes the outer step on an estimate of the average (the first
-    # round: its own pseudo-gradient), and its next inner steps run from there; the round (one that fails here: the
-    # average is the own pseudo-gradient) then lands the model on the true outer step plus the progress since, and
-    # the outer optimizer's state is the swarm's alone. The second round's estimate is half (this peer's share of a
-    # group of 2) of its fresh pseudo-gradient plus the others' part of the last average (0: that round failed)
-    from sahajbert import hivemind_compat as compat
-    from sahajbert.localswarm import wait_for
-
-    with diloco_with_an_absent_peer(tokenizer, "diloco-eager", overlap=True, eager=True) as (model, optimizer, start):
-        params = compat.master_parameters(optimizer)
-        outer = [p for group in optimizer.opt.param_groups for p in group["params"]]
-        train_one_batch(model, optimizer)  # the third inner step: the round is sent
-        assert optimizer.round_in_flight
-        buffers = [optimizer.opt.state[p]["momentum_buffer"] for p in outer]  # hivemind makes them, as zeros
-        assert all(float(b.abs().max()) == 0 for b in buffers), "the estimate leaves the outer optimizer's state be"
-        eager = [p.detach().clone() for p in params]
-        for estimated, begun, own in zip(eager, start, optimizer.own_pseudo_gradient):
-            # Nesterov SGD's first step, lr 0.7, momentum 0.9: 0.7 x 1.9 x the pseudo-gradient
-            torch.testing.assert_close(estimated, begun - 0.7 * 1.9 * own, rtol=1e-4, atol=1e-6)
-        wait_for(lambda: optimizer.scheduled_grads.done(), 60, "the round to fail")
-        progress = [torch.randn_like(p) * 1e-3 for p in params]
-        with torch.no_grad():
-            for p, d in zip(params, progress):
-                p.add_(d)
-        assert compat.apply_pending_updates(optimizer, 30)
-        for estimated, outer_now, d, now in zip(eager, outer, progress, params):
-            # the failed round's average is the own pseudo-gradient: the estimate was exact
-            torch.testing.assert_close(estimated, outer_now.detach(), rtol=1e-4, atol=1e-6)
-            torch.testing.assert_close(now.detach(), outer_now.detach() + d, rtol=1e-4, atol=1e-6)
-        assert all(float(part.abs().max()) == 0.0 for part in optimizer.others_part), "alone, the others had no part"
-        buffers = [optimizer.opt.state[p]["momentum_buffer"].clone() for p in outer]
-        before = [p.detach().clone() for p in outer]
-        for _ in range(3):
-            train_one_batch(model, optimizer)
-        assert optimizer.round_in_flight and optimizer.local_epoch == 1
-        for estimated, begun, own, buffer in zip(params, before, optimizer.own_pseudo_gradient, buffers):
-            estimate = 0.5 * own  # this peer's share of a group of 2, the others' part 0
-            expected = begun - 0.7 * (estimate + 0.9 * (0.9 * buffer + estimate))
-            torch.testing.assert_close(estimated.detach(), expected, rtol=1e-4, atol=1e-6)
 
 
 def test_an_overlapping_diloco_trainer_goes_on_with_inner_steps_while_its_round_waits_for_a_slower_peer(tokenizer):

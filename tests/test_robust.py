@@ -509,6 +509,41 @@ def test_gradient_averagers_serve_no_state():
                 made.shutdown()
 
 
+def test_a_client_mode_peer_joins_a_leader_whose_round_is_scheduled_after_its_own():
+    # two real gradient averagers (ours) on loopback, the second in client mode (it cannot lead). The leader's round
+    # begins at +60 s or once its group holds both; the client's is scheduled for +1 s and may wait 90 s. hivemind's
+    # leader refuses a follower whose scheduled time is before its own and is not asked again until it declares a
+    # new time (at +60 s); a client-mode peer offers its deadline instead, so the group forms at once
+    from hivemind.utils import get_dht_time
+
+    from sahajbert import hivemind_compat as compat
+
+    averagers = []
+    with loopback_dhts(2) as dhts:
+        try:
+            for dht, client_mode in zip(dhts, (False, True)):
+                parameters = [torch.nn.Parameter(torch.zeros(1000))]
+                parameters[0].grad = torch.ones(1000)
+                averager = compat.gradient_averager_factory(target_group_size=2)(
+                    parameters, dht=dht, prefix="client", min_matchmaking_time=1.0, client_mode=client_mode, start=True
+                )
+                averager.accumulate_grads_(batch_size=1)
+                averagers.append(averager)
+            leader, client = averagers
+            rounds = [
+                averager.schedule_step(scheduled_time=get_dht_time() + delay, timeout=90.0)
+                for averager, delay in ((leader, 60.0), (client, 1.0))
+            ]
+            for averager, control in zip(averagers, rounds):
+                averager.step(control=control, wait=False)
+            # well before the leader's own time: the group formed when the client joined
+            for control in rounds:
+                assert len(control.result(timeout=30)) == 2
+        finally:
+            for averager in averagers:
+                averager.shutdown()
+
+
 @pytest.mark.parametrize("misshapen", [torch.tensor([1e30]), torch.ones(8)], ids=["one-value", "too-long"])
 def test_a_part_of_another_shape_is_dropped(misshapen):
     # hivemind's reducer (the control) broadcasts a one-value part over the whole part, and given a longer one it

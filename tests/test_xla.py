@@ -90,6 +90,26 @@ def test_bf16_on_xla_sends_unscaled_fp32_gradients(spmd_report):
 
 
 @pytest.mark.slow
+def start_xla_peer(tmp_path, run_id: str, initial_peers: list[str], tpu_python: str, *flags):
+    """A trainer on the 4 XLA devices (TPU virtualenv), 2 samples per core: 8 per pass, a CPU peer's batch."""
+    return start_peer(
+        "run_trainer.py",
+        tmp_path,
+        "xla",
+        run_id,
+        initial_peers,
+        *["--per_device_train_batch_size", "2", "--device", "tpu", *flags],
+        python=tpu_python,
+    )
+
+
+def assert_models_agree(tmp_path, names=("xla", "cpu")) -> None:
+    """The final checkpoints of the named peers hold the same parameters (within 2e-3 + 1% of each value)."""
+    a, b = (AlbertForPreTraining.from_pretrained(latest_checkpoint(tmp_path / n)).state_dict() for n in names)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=2e-3, rtol=1e-2, msg=f"{name} differs between peers")
+
+
 def test_cpu_peer_and_xla_peer_train_one_model(tmp_path, tpu_python, xla_env):
     """A plain CPU peer (main venv, fp32) and an XLA peer (TPU venv, 4 devices, bf16) make global steps together."""
     run_id = "hetero"
@@ -97,16 +117,7 @@ def test_cpu_peer_and_xla_peer_train_one_model(tmp_path, tpu_python, xla_env):
     # 8 steps: the XLA peer (about 6 s a step under load) still trains when the CPU peer, started after the XLA
     # compilation, has joined; with 4 the XLA peer finished alone before it on a busy machine
     steps = ["--max_steps", "8", *LOCKSTEP]
-    # 2 per core x 4 XLA devices = 8 per pass, the CPU peer's batch
-    xla = start_peer(
-        "run_trainer.py",
-        tmp_path,
-        "xla",
-        run_id,
-        initial_peers,
-        *["--per_device_train_batch_size", "2", "--device", "tpu", "--precision", "bf16", *steps],
-        python=tpu_python,
-    )
+    xla = start_xla_peer(tmp_path, run_id, initial_peers, tpu_python, "--precision", "bf16", *steps)
     cpu = None
     try:
         # the CPU peer joins once the XLA peer has compiled its step, so that neither trains the first steps alone
@@ -129,7 +140,45 @@ def test_cpu_peer_and_xla_peer_train_one_model(tmp_path, tpu_python, xla_env):
     assert "device copy vs host parameters: max difference 0" in output
     assert "computing on cpu in fp32" in cpu.output()
 
-    a, b = (AlbertForPreTraining.from_pretrained(latest_checkpoint(tmp_path / n)).state_dict() for n in ("xla", "cpu"))
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], atol=2e-3, rtol=1e-2, msg=f"{name} differs between peers")
+    assert_models_agree(tmp_path)
     assert fixed_batch_loss(latest_checkpoint(tmp_path / "cpu")) < fixed_batch_loss(None), (xla_log, cpu_log)
+
+
+def test_diloco_on_a_tpu_host_with_a_client_mode_peer_then_resumed(tmp_path, tpu_python, xla_env):
+    """DiLoCo with the peers it must work with: an XLA peer (TPU venv, 4 devices) and a CPU peer in client mode (it
+    leads no group and serves nothing) make outer steps together and agree after the final round; the CPU peer
+    then resumes from its last checkpoint (the outer and inner states) for two more outer steps."""
+    run_id = "diloco-hetero"
+    first, initial_peers = first_peer(tmp_path / "first_peer", run_id)
+    inner = 5  # inner steps per outer step
+    diloco = ["--diloco_inner_steps", str(inner), "--learning_rate", "0.01", "--total_steps", "100000"]
+    diloco += ["--diloco_wait", "30"]
+    xla = start_xla_peer(tmp_path, run_id, initial_peers, tpu_python, "--max_steps", "10", *diloco)
+    cpu = resumed = None
+    try:
+        # started together, the CPU peer waits for the XLA peer (announced at a start priority) to compile and
+        # report its first pass before its first outer step (a client-mode peer announces nothing, so the XLA
+        # peer does not wait for it: it is the slower to start)
+        cpu_flags = ["--device", "cpu", "--client_mode", *diloco]
+        cpu = start_peer("run_trainer.py", tmp_path, "cpu", run_id, initial_peers, *cpu_flags, "--max_steps", "10")
+        for peer in (xla, cpu):
+            assert peer.wait(400) == 0, peer.output()[-3000:]
+        cpu.stop()
+        xla.stop()
+        assert final_step(tmp_path / "xla") == final_step(tmp_path / "cpu") == 10
+        # client mode: the CPU peer took part in the outer rounds (as a follower) and the final round
+        assert max(r.peers for r in read_train_log(tmp_path / "cpu")) == 2
+        assert "computing on XLA CPU x4 in fp32" in xla.output()
+        assert_models_agree(tmp_path)
+        assert fixed_batch_loss(latest_checkpoint(tmp_path / "cpu")) < fixed_batch_loss(None)
+
+        resumed = start_peer("run_trainer.py", tmp_path, "cpu", run_id, initial_peers, *cpu_flags, "--max_steps", "12")
+        assert resumed.wait(300) == 0, resumed.output()[-3000:]
+        assert "resuming from" in resumed.output()
+        steps = [r.step for r in read_train_log(tmp_path / "cpu")]
+        assert steps[-2:] == [11, 12] and steps.count(11) == 1, steps
+        assert latest_checkpoint(tmp_path / "cpu").name == "checkpoint-12"
+    finally:
+        for peer in (xla, cpu, resumed, first):
+            if peer is not None:
+                peer.stop()

@@ -388,6 +388,15 @@ class CollaborativeOptimizerArguments:
             "--target_batch_size samples."
         },
     )
+    diloco_inner_optimizer: str = field(
+        default="lamb",
+        metadata={
+            "help": "DiLoCo: the inner optimizer: lamb (sahajBERT's) or adamw (DiLoCo's and OpenDiLoCo's: torch's "
+            "AdamW), each with --learning_rate, --adam_beta1/2, --adam_epsilon, --weight_decay (not on biases and "
+            "LayerNorm) and --max_grad_norm.",
+            "choices": ["lamb", "adamw"],
+        },
+    )
     outer_lr: float = field(default=0.7, metadata={"help": "DiLoCo: the outer SGD's learning rate (constant)."})
     outer_momentum: float = field(default=0.9, metadata={"help": "DiLoCo: the outer SGD's Nesterov momentum."})
     pseudo_gradient_compression: str = field(
@@ -450,6 +459,10 @@ class CollaborativeOptimizerArguments:
             raise ValueError("--diloco_inner_steps and --use_local_updates are two different modes: choose one")
         if self.diloco_overlap and not self.diloco_inner_steps:
             raise ValueError("--diloco_overlap overlaps DiLoCo's outer rounds: it needs --diloco_inner_steps")
+        if self.diloco_inner_optimizer not in ("lamb", "adamw"):
+            raise ValueError(f"--diloco_inner_optimizer is lamb or adamw, got {self.diloco_inner_optimizer!r}")
+        if self.diloco_inner_optimizer != "lamb" and not self.diloco_inner_steps:
+            raise ValueError("--diloco_inner_optimizer is DiLoCo's: it needs --diloco_inner_steps")
         if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1 or self.diloco_wait < 0:
             raise ValueError(
                 f"DiLoCo needs --outer_lr > 0, 0 <= --outer_momentum < 1 and --diloco_wait >= 0; got "
@@ -490,10 +503,13 @@ class LocalTrainingArguments:
     max_steps: Optional[int] = field(
         default=None, metadata={"help": "Stop this peer cleanly once the swarm reaches this global step."}
     )
-    weight_decay: float = field(default=0.01, metadata={"help": "LAMB weight decay (none on biases and LayerNorm)."})
-    adam_beta1: float = field(default=0.9, metadata={"help": "LAMB beta1."})
-    adam_beta2: float = field(default=0.999, metadata={"help": "LAMB beta2."})
-    adam_epsilon: float = field(default=1e-6, metadata={"help": "LAMB epsilon."})
+    weight_decay: float = field(
+        default=0.01,
+        metadata={"help": "LAMB's (or DiLoCo's inner AdamW's) weight decay (none on biases and LayerNorm)."},
+    )
+    adam_beta1: float = field(default=0.9, metadata={"help": "LAMB's (or DiLoCo's inner AdamW's) beta1."})
+    adam_beta2: float = field(default=0.999, metadata={"help": "LAMB's (or DiLoCo's inner AdamW's) beta2."})
+    adam_epsilon: float = field(default=1e-6, metadata={"help": "LAMB's (or DiLoCo's inner AdamW's) epsilon."})
     clamp_value: float = field(
         default=10_000.0, metadata={"help": "LAMB: clamp of the weight norm in the trust ratio."}
     )

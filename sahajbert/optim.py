@@ -89,6 +89,22 @@ class Lamb(torch.optim.Optimizer):
         torch._foreach_add_(params, directions)
 
 
+class AdamW(torch.optim.AdamW):
+    """torch's AdamW (decoupled weight decay, bias-corrected moments), clipping the gradients it applies to
+    `max_grad_norm` first, as `Lamb` does: DiLoCo's inner optimizer in the DiLoCo and OpenDiLoCo papers."""
+
+    def __init__(self, params, max_grad_norm: float | None = None, **kwargs):
+        super().__init__(params, **kwargs)
+        self.max_grad_norm = max_grad_norm
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.max_grad_norm:
+            gradients = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(gradients, self.max_grad_norm)
+        return super().step(closure)
+
+
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on matrices only: none on biases and LayerNorm (found by module type, whatever its name)."""
     no_decay = set()
@@ -193,8 +209,17 @@ def build_collaborative_optimizer(
         averaging_args.aggregation, averaging_args.clip_tau, averaging_args.clip_iterations
     )
     if optimizer_args.diloco_inner_steps:
+        inner_optimizer = lamb
+        if optimizer_args.diloco_inner_optimizer == "adamw":
+            inner_optimizer = partial(
+                AdamW,
+                lr=training_args.learning_rate,
+                betas=(training_args.adam_beta1, training_args.adam_beta2),
+                eps=training_args.adam_epsilon,
+                max_grad_norm=training_args.max_grad_norm if training_args.clip_gradients == "averaged" else None,
+            )
         return compat.DiLoCoOptimizer(
-            inner_optimizer=lamb,
+            inner_optimizer=inner_optimizer,
             inner_lr=partial(
                 lr_at_step,
                 peak=training_args.learning_rate,

@@ -171,6 +171,7 @@ def lonely_diloco(
     averaging_timeout: float | None = None,
     overlap: bool = False,
     max_steps: int | None = None,
+    inner_optimizer: str = "lamb",
 ):
     """A DiLoCo optimizer alone in its swarm, from the trainer's factory, and its DHT."""
     import hivemind
@@ -183,7 +184,10 @@ def lonely_diloco(
         swarm_args=SwarmArguments(run_id=run_id),
         averaging_args=AveragingArguments(matchmaking_time=1.0, averaging_timeout=averaging_timeout),
         optimizer_args=CollaborativeOptimizerArguments(
-            diloco_inner_steps=inner_steps, diloco_wait=0, diloco_overlap=overlap
+            diloco_inner_steps=inner_steps,
+            diloco_wait=0,
+            diloco_overlap=overlap,
+            diloco_inner_optimizer=inner_optimizer,
         ),
         training_args=LocalTrainingArguments(
             per_device_train_batch_size=4, learning_rate=0.01, warmup_steps=1, total_steps=1000, max_steps=max_steps
@@ -827,6 +831,46 @@ def test_a_step_change_does_not_wait_for_a_progress_read_and_the_read_it_overtoo
         for _ in range(10):
             reads.gate.release()
         tracker.shutdown()
+        dht.shutdown()
+
+
+def test_diloco_with_adamw_steps_as_torch_adamw_and_shares_its_state(tokenizer):
+    # --diloco_inner_optimizer adamw: the inner steps are torch's AdamW on the trainer's parameter groups (with the
+    # inner schedule and --max_grad_norm), and its moments are the tensors a newcomer downloads (extra_tensors)
+    import copy
+
+    from sahajbert.optim import parameter_groups
+
+    model, optimizer, dht = lonely_diloco(tokenizer, "diloco-adamw", inner_optimizer="adamw")
+    try:
+        reference = copy.deepcopy(model)
+        adamw = torch.optim.AdamW(parameter_groups(reference, 0.01), betas=(0.9, 0.999), eps=1e-6)
+        for inner_step in range(2):
+            train_one_batch(model, optimizer)
+            torch.manual_seed(0)  # train_one_batch's batch (its seed is the step, 0) and dropout
+            batch = {
+                "input_ids": torch.randint(5, 100, (4, 16)),
+                "labels": torch.randint(5, 100, (4, 16)),
+                "sentence_order_label": torch.randint(0, 2, (4,)),
+            }
+            reference(**batch).loss.backward()
+            torch.nn.utils.clip_grad_norm_(list(reference.parameters()), 1.0)
+            for group in adamw.param_groups:
+                group["lr"] = optimizer.inner_lr(inner_step)
+            adamw.step()
+            adamw.zero_grad()
+        assert optimizer.local_epoch == 0 and optimizer.inner_step == 2
+        for ours, theirs in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(ours.detach(), theirs.detach(), rtol=1e-5, atol=1e-7)
+        shared = {id(t) for t in optimizer.state_averager.extra_tensors}
+        for group in optimizer.inner.param_groups:
+            for p in group["params"]:
+                assert {id(optimizer.inner.state[p][name]) for name in ("step", "exp_avg", "exp_avg_sq")} <= shared
+        assert float(optimizer.inner.state[p]["step"]) == 2
+        train_one_batch(model, optimizer)  # the third inner step, then the outer one
+        assert optimizer.local_epoch == 1 and optimizer.inner_step == 0
+    finally:
+        optimizer.shutdown()
         dht.shutdown()
 
 

@@ -391,9 +391,8 @@ class CollaborativeOptimizerArguments:
     diloco_inner_optimizer: str = field(
         default="lamb",
         metadata={
-            "help": "DiLoCo: the inner optimizer: lamb (sahajBERT's) or adamw (DiLoCo's and OpenDiLoCo's: torch's "
-            "AdamW), each with --learning_rate, --adam_beta1/2, --adam_epsilon, --weight_decay (not on biases and "
-            "LayerNorm) and --max_grad_norm.",
+            "help": "DiLoCo: the inner optimizer, lamb or adamw (torch's, the DiLoCo papers'); both take the "
+            "LAMB flags.",
             "choices": ["lamb", "adamw"],
         },
     )
@@ -411,12 +410,10 @@ class CollaborativeOptimizerArguments:
     diloco_overlap: bool = field(
         default=False,
         metadata={
-            "help": "DiLoCo: average the pseudo-gradients in the background while the next inner steps run, and "
-            "add the outer step to the parameters when the round ends, keeping the inner progress made meanwhile "
-            "(a one-round delay, as Streaming DiLoCo's overlap): the round's time is hidden behind compute, at the "
-            "cost of an outer step one round stale. A round still in flight at the next H-th inner step is not "
-            "waited for: the inner steps go on until it ends (up to H + H/10) and the next round carries them all. "
-            "Off: every trainer waits for its round after its inner steps."
+            "help": "DiLoCo: average each round in the background while the next inner steps run, and add its "
+            "outer step when it ends, keeping the progress made meanwhile (Streaming DiLoCo's one-round delay); a "
+            "round still in flight at the next H-th inner step is awaited at H + H/10 at the latest. Off: every "
+            "trainer waits for its round after its inner steps."
         },
     )
     diloco_wait: float = field(

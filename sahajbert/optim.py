@@ -23,6 +23,14 @@ from sahajbert.adaptive import Timing, explicit_timing, payload_bytes, plan_timi
 from sahajbert.arguments import PeerArguments
 
 
+def clip_applied_gradients(optimizer: torch.optim.Optimizer, max_grad_norm: float | None) -> None:
+    """Clip the gradients `optimizer` is about to apply (in a swarm: the averaged ones) to this total norm; None or
+    0: no clipping."""
+    if max_grad_norm:
+        gradients = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        torch.nn.utils.clip_grad_norm_(gradients, max_grad_norm)
+
+
 class Lamb(torch.optim.Optimizer):
     """LAMB (You et al., 2019) as sahajBERT and sahajBERT-XL ran it: `torch_optimizer.Lamb` with debias on.
 
@@ -46,9 +54,7 @@ class Lamb(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.max_grad_norm:
-            gradients = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-            torch.nn.utils.clip_grad_norm_(gradients, self.max_grad_norm)
+        clip_applied_gradients(self, self.max_grad_norm)
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if params:
@@ -99,9 +105,7 @@ class AdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        if self.max_grad_norm:
-            gradients = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-            torch.nn.utils.clip_grad_norm_(gradients, self.max_grad_norm)
+        clip_applied_gradients(self, self.max_grad_norm)
         return super().step(closure)
 
 
@@ -178,14 +182,14 @@ def build_collaborative_optimizer(
     """
     swarm_args, averaging_args = peer_args.swarm_args, peer_args.averaging_args
     optimizer_args, training_args = peer_args.optimizer_args, peer_args.training_args
-    lamb = partial(
-        Lamb,
+    # what LAMB and DiLoCo's inner AdamW share
+    adam_settings = dict(
         lr=training_args.learning_rate,
         betas=(training_args.adam_beta1, training_args.adam_beta2),
         eps=training_args.adam_epsilon,
-        clamp_value=training_args.clamp_value,
         max_grad_norm=training_args.max_grad_norm if training_args.clip_gradients == "averaged" else None,
     )
+    lamb = partial(Lamb, clamp_value=training_args.clamp_value, **adam_settings)
     scheduler = partial(
         get_linear_schedule_with_warmup,
         num_warmup_steps=training_args.warmup_steps,
@@ -209,15 +213,7 @@ def build_collaborative_optimizer(
         averaging_args.aggregation, averaging_args.clip_tau, averaging_args.clip_iterations
     )
     if optimizer_args.diloco_inner_steps:
-        inner_optimizer = lamb
-        if optimizer_args.diloco_inner_optimizer == "adamw":
-            inner_optimizer = partial(
-                AdamW,
-                lr=training_args.learning_rate,
-                betas=(training_args.adam_beta1, training_args.adam_beta2),
-                eps=training_args.adam_epsilon,
-                max_grad_norm=training_args.max_grad_norm if training_args.clip_gradients == "averaged" else None,
-            )
+        inner_optimizer = partial(AdamW, **adam_settings) if optimizer_args.diloco_inner_optimizer == "adamw" else lamb
         return compat.DiLoCoOptimizer(
             inner_optimizer=inner_optimizer,
             inner_lr=partial(

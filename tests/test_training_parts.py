@@ -196,13 +196,18 @@ def lonely_diloco(
     return model, build_collaborative_optimizer(model, dht, peer_args), dht
 
 
-def train_one_batch(model, optimizer):
-    torch.manual_seed(optimizer.local_epoch)
-    batch = {
+def seeded_batch(seed: int) -> dict:
+    """4 random sequences of 16 tokens with labels, after torch.manual_seed(seed) (the forward's dropout follows)."""
+    torch.manual_seed(seed)
+    return {
         "input_ids": torch.randint(5, 100, (4, 16)),
         "labels": torch.randint(5, 100, (4, 16)),
         "sentence_order_label": torch.randint(0, 2, (4,)),
     }
+
+
+def train_one_batch(model, optimizer):
+    batch = seeded_batch(optimizer.local_epoch)
     model(**batch).loss.backward()
     optimizer.step(batch_size=4)
     optimizer.zero_grad()
@@ -847,13 +852,7 @@ def test_diloco_with_adamw_steps_as_torch_adamw_and_shares_its_state(tokenizer):
         adamw = torch.optim.AdamW(parameter_groups(reference, 0.01), betas=(0.9, 0.999), eps=1e-6)
         for inner_step in range(2):
             train_one_batch(model, optimizer)
-            torch.manual_seed(0)  # train_one_batch's batch (its seed is the step, 0) and dropout
-            batch = {
-                "input_ids": torch.randint(5, 100, (4, 16)),
-                "labels": torch.randint(5, 100, (4, 16)),
-                "sentence_order_label": torch.randint(0, 2, (4,)),
-            }
-            reference(**batch).loss.backward()
+            reference(**seeded_batch(0)).loss.backward()  # train_one_batch's (its seed is the step, 0)
             torch.nn.utils.clip_grad_norm_(list(reference.parameters()), 1.0)
             for group in adamw.param_groups:
                 group["lr"] = optimizer.inner_lr(inner_step)

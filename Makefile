@@ -10,8 +10,12 @@ TORCH ?= torch==2.13.0
 export HF_DATASETS_OFFLINE ?= 1
 export HF_HUB_OFFLINE ?= 1
 export WANDB_MODE ?= offline
+# the suite's tests wait on peers far more than they compute (a swarm test keeps ~40% of 2 cores busy), so two
+# workers (pytest-xdist) run two modules at a time; each module stays on one worker, with its shared swarm
+WORKERS ?= 2
+PYTEST_WORKERS := -n $(WORKERS) --dist loadscope
 
-.PHONY: venv venv-tpu test test-fast lint demo bench clean
+.PHONY: venv venv-tpu test test-fast test-scale lint demo bench clean
 
 # the package installs editable (pip install -e .): scripts, tests and benchmarks import `sahajbert` from anywhere
 $(BIN)/.installed: requirements.txt requirements-dev.txt pyproject.toml
@@ -44,14 +48,20 @@ lint: venv
 test:
 	$(MAKE) -j2 venv venv-tpu
 	$(MAKE) lint
-	SAHAJBERT_REQUIRE_XLA=1 $(BIN)/python -m pytest -ra --durations=15
+	SAHAJBERT_REQUIRE_XLA=1 $(BIN)/python -m pytest $(PYTEST_WORKERS) -ra --durations=20 -m "not scale"
 
-# the unit tier for the edit loop: no swarm of processes, no TPU environment (a few minutes on 2 cores)
+# the unit tier for the edit loop: no swarm of processes, no TPU environment (under 3 minutes on 2 cores)
 test-fast: lint
-	$(BIN)/python -m pytest -q -m "not slow and not xla"
+	$(BIN)/python -m pytest $(PYTEST_WORKERS) -q -m "not slow and not xla and not scale"
 
+# the real-size scenarios (the sahajbert preset and shaped links of benchmarks/netswarm.py: root, minutes each), one
+# at a time: network namespaces are machine-wide
+test-scale: venv
+	$(BIN)/python -m pytest -ra --durations=20 -m scale
+
+# the demo's flags can be added for a run of another size: make demo DEMO_FLAGS="--max_steps 3"
 demo: venv
-	$(BIN)/python run_local_swarm.py
+	$(BIN)/python run_local_swarm.py $(DEMO_FLAGS)
 
 bench: venv
 	$(BIN)/python benchmarks/bench_data.py

@@ -215,16 +215,17 @@ class Network:
             raise RuntimeError(f"the delay switch failed:\n{self.switch.output()[-2000:]}")
 
     def round_trip_ms(self, from_ns: str, to_ip: str, tries: int = 5) -> float:
-        """Median time of a TCP connect to a closed port (SYN out, RST back: one round trip), in ms."""
+        """Shortest time of a TCP connect to a closed port (SYN out, RST back: one round trip), in ms: the links' own
+        delay; a busy machine only adds to some tries."""
         probe = (
-            "import socket, statistics, time\n"
+            "import socket, time\n"
             "times = []\n"
             f"for _ in range({tries + 1}):\n"
             "    s = socket.socket(); start = time.perf_counter()\n"
             f"    try: s.connect(('{to_ip}', 9))\n"
             "    except OSError: pass\n"
             "    times.append(time.perf_counter() - start); s.close()\n"
-            "print(statistics.median(times[1:]) * 1000)"  # the first try also resolves the MAC address (ARP)
+            "print(min(times[1:]) * 1000)"  # the first try also resolves the MAC address (ARP)
         )
         return float(sh("ip", "netns", "exec", from_ns, sys.executable, "-c", probe).stdout)
 
@@ -420,14 +421,16 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
         client_of: dict[str, bool] = {}
         port_of: dict[str, str] = {}  # the hub-side port of the trainer's link (its router's, behind NAT)
 
-        def start_trainer(index: int, client: bool) -> str:
+        def start_trainer(index: int, client: bool, newcomer: bool = False) -> str:
             name = f"trainer{len(trainers)}"
             ns, ip = hosts[index]
             started_at[name], host_of[name], nat_of[name] = time.time(), ns, hosts[index] != routers[index]
             client_of[name], port_of[name] = client, f"v{index}"
+            # a volunteer at home whose NAT no relay takes: it must fall back to client mode by itself
+            no_relay = ["--no_auto_relay"] if newcomer and args.newcomer_without_relay else []
             trainers[name] = PeerProcess(
                 REPO / "run_trainer.py",
-                trainer_args(args, run_id, initial_peers, ip, workdir / name, client),
+                trainer_args(args, run_id, initial_peers, ip, workdir / name, client) + no_relay,
                 workdir / f"{name}.log",
                 wrapper=["ip", "netns", "exec", ns],
             )
@@ -462,7 +465,7 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
                 victim = alive[churn_slot % len(alive)]
                 trainers[victim].kill()
                 kills.append(time.time())
-                name = start_trainer(2 + args.trainers + len(kills) - 1, client=False)
+                name = start_trainer(2 + args.trainers + len(kills) - 1, client=False, newcomer=True)
                 churn_slot += 1
                 next_churn = time.time() + args.churn_every
                 next_churn_step = swarm_step + args.churn_every_steps
@@ -826,6 +829,11 @@ def main(argv=None) -> int:
         default=0,
         help="put the last N trainers, and every replacement after churn, behind NAT routers (iptables "
         "masquerade: only replies come in); they reach each other through the first peer's relay",
+    )
+    parser.add_argument(
+        "--newcomer_without_relay",
+        action="store_true",
+        help="replacements after churn start with --no_auto_relay: behind NAT (--nat) they fall back to client mode",
     )
     parser.add_argument("--keep_logs", default=None, help="copy every peer's log and train log to this folder")
     args = parser.parse_args(argv)

@@ -166,11 +166,11 @@ class BoundedLocalStorage(DHTLocalStorage):
     over them is refused (the storing peer's store_ok says so), one already held can always be renewed. Installed
     for every DHT node this process or its children start (`hivemind.dht.protocol.DHTLocalStorage`)."""
 
-    def __init__(self, maxsize: int | None = None):
+    def __init__(self, maxsize: int | None = None, clock: Callable[[], float] = time.monotonic):
         super().__init__(maxsize)
         # an upper estimate of records(), recounted (O(keys)) only when it reaches the bound, at most once a
-        # RECOUNT_EVERY: a flood costs no more than storing it
-        self._estimate, self._counted_at = 0, -math.inf
+        # RECOUNT_EVERY (of `clock`'s seconds): a flood costs no more than storing it
+        self._estimate, self._counted_at, self._clock = 0, -math.inf, clock
 
     def records(self) -> int:
         """Values and subkeys' values held, the expired ones dropped first (hivemind drops them only when asked)."""
@@ -185,7 +185,7 @@ class BoundedLocalStorage(DHTLocalStorage):
         return count
 
     def _has_room(self) -> bool:
-        now = time.monotonic()
+        now = self._clock()
         if self._estimate >= MAX_STORED_RECORDS and now - self._counted_at >= RECOUNT_EVERY:
             self._estimate, self._counted_at = self.records(), now
         return self._estimate < MAX_STORED_RECORDS

@@ -3,10 +3,13 @@
 import contextlib
 import functools
 import itertools
+import os
+import runpy
 import sys
 from pathlib import Path
 
 import psutil
+import pytest
 import torch
 
 from sahajbert.arguments import CorpusArguments
@@ -180,3 +183,39 @@ def sgd_state_averager(dht, parameters: list, prefix: str, kind=None, momentum: 
         start=True,
         **kwargs,
     )
+
+
+def require(present: bool, what: str, fix: str) -> None:
+    """Skip a test whose prerequisite `what` is missing, saying the `fix`; in CI (CI=true) fail instead: CI provides
+    every prerequisite, so a missing one must not silently drop the tests that need it."""
+    if present:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"CI must provide {what}: {fix}")
+    pytest.skip(f"{what} is missing: {fix}")
+
+
+def run_script(name: str, args: list[str], capsys) -> tuple[int, str, str]:
+    """The script's main(args) through cli.run, in this process, as `python <name> args` runs it: (exit code, stdout,
+    stderr). A bad-input case runs this way, in a fraction of a new process's start."""
+    from sahajbert import cli
+
+    main = runpy.run_path(str(script(name)))["main"]
+    with pytest.raises(SystemExit) as exit_:
+        cli.run(lambda: main(args))
+    captured = capsys.readouterr()
+    return exit_.value.code, captured.out, captured.err
+
+
+def run_main(name: str, args: list[str], capsys) -> tuple[int, str]:
+    """`run_script`'s exit code and stderr."""
+    code, _, err = run_script(name, args, capsys)
+    return code, err
+
+
+def assert_one_error(code: int, stderr: str, message: str) -> str:
+    """Exit code 2, exactly one `error:` line, containing `message`, and no traceback; returns that line."""
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(errors) == 1 and message in errors[0], stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    return errors[0]

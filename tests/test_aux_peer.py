@@ -9,6 +9,7 @@ import subprocess
 import urllib.request
 
 import pytest
+import torch
 from transformers import AlbertForPreTraining, AutoModel
 
 from sahajbert.checkpoints import list_checkpoints
@@ -17,7 +18,7 @@ from sahajbert.metrics import LocalMetrics, SwarmSummary
 from sahajbert.monitor import SwarmMonitor
 from sahajbert.train_log import read_train_log
 
-from .swarm_helpers import first_peer, kill_orphans, signed_dhts, start_peer
+from .swarm_helpers import first_peer, kill_orphans, require, signed_dhts, start_peer
 from .wandb_reader import history
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -111,74 +112,121 @@ def dashboard_dom(url: str) -> str:
     return result.stdout
 
 
-@pytest.mark.slow
-def test_aux_peer_monitors_checkpoints_and_rescues_the_run(tmp_path):
-    if CHROMIUM is None:
-        if os.environ.get("CI"):
-            pytest.fail("CI must install Debian's chromium for the dashboard test (.ci/run does)")
-        pytest.skip("chromium is not installed (apt-get install chromium)")
-    run_id = "aux_run"
-    organizer, initial_peers = first_peer(tmp_path / "fp1", run_id)
-    monitor = aux(
-        tmp_path,
-        "aux",
-        run_id,
-        initial_peers,
-        "--checkpoint_every",
-        "2",
-        "--keep_checkpoints",
-        "10",
-        "--wandb_project",
-        "sahajbert-test",
-        "--dashboard_port",
-        "0",
-        "--push_to_hub",
-        "--hub_model_id",
-        "test-org/sahajbert-test",
-        "--upload_interval",
-        "2",
-    )
-    trainers = [trainer(tmp_path, f"t{i}", run_id, initial_peers, "--max_steps", "100") for i in range(2)]
-    orphans = []
-    try:
-        wait_for(lambda: len(list_checkpoints(tmp_path / "aux")) >= 3, 300, "three aux checkpoints")
-        # the dashboard, in a real browser, shows the swarm's numbers; the JSON endpoint has the same data
-        url = wait_for(lambda: re.search(r"dashboard at (http://\S+/)", monitor.output()), 10, "the URL").group(1)
-        state = json.loads(urllib.request.urlopen(url + "api/state", timeout=10).read())
-        assert state["run_id"] == run_id and state["global_step"] >= 2 and len(state["peers"]) == 2
-        dom = dashboard_dom(url)
-        shown_step = int(re.search(r'id="global_step">(\d+)<', dom).group(1))
-        assert shown_step >= state["global_step"]
-        table = re.search(r'<tbody id="peers">(.*?)</tbody>', dom, re.S).group(1)
-        assert table.count("<tr>") == 2, "one table row per trainer"
-        assert '<path d="M' in dom, "the charts were drawn"
-        for peer in state["peers"]:
-            assert f"<td>{peer['peer']}</td>" in table
-        # forged records are rejected by every DHT node and never shown
-        assert forge_metrics(initial_peers, run_id) == (False, False)
-        after = json.loads(urllib.request.urlopen(url + "api/state", timeout=10).read())
-        assert len(after["peers"]) == 2 and all(p["step"] < 10**6 for p in after["peers"])
-        # all trainers die
-        for peer in trainers:
-            orphans += peer.descendants()
-            peer.process.send_signal(signal.SIGKILL)
-    finally:
-        kill_orphans(orphans)
-        for peer in trainers:
-            peer.stop()
-        monitor.stop()
-        organizer.stop()
+class AuxSwarm:
+    """A first peer, the aux peer (monitor, checkpoints every 2 steps, wandb, dashboard, Hub upload, assisting in
+    averaging) and two trainers, until the aux peer has saved three checkpoints."""
 
+    RUN_ID = "aux_run"
+
+    def __init__(self, tmp_path):
+        self.tmp_path = tmp_path
+        self.organizer, self.initial_peers = first_peer(tmp_path / "fp1", self.RUN_ID)
+        self.monitor = aux(
+            tmp_path,
+            "aux",
+            self.RUN_ID,
+            self.initial_peers,
+            *("--checkpoint_every", "2", "--keep_checkpoints", "10", "--wandb_project", "sahajbert-test"),
+            *("--dashboard_port", "0", "--push_to_hub", "--hub_model_id", "test-org/sahajbert-test"),
+            *("--upload_interval", "2", "--assist_in_averaging", "--verbose"),
+        )
+        self.trainers = [
+            trainer(tmp_path, f"t{i}", self.RUN_ID, self.initial_peers, "--max_steps", "100") for i in range(2)
+        ]
+        self.orphans = []
+
+    def url(self) -> str:
+        found = wait_for(lambda: re.search(r"dashboard at (http://\S+/)", self.monitor.output()), 10, "the URL")
+        return found.group(1)
+
+    def api_state(self) -> dict:
+        return json.loads(urllib.request.urlopen(self.url() + "api/state", timeout=10).read())
+
+    def alive(self) -> bool:
+        return all(p.running() for p in [self.organizer, self.monitor, *self.trainers])
+
+    def kill_trainers(self) -> None:
+        """Every trainer dies at once (SIGKILL), as when the volunteers' machines go away."""
+        for peer in self.trainers:
+            self.orphans += peer.descendants()
+            peer.process.send_signal(signal.SIGKILL)
+
+    def stop(self) -> None:
+        kill_orphans(self.orphans)
+        for peer in [*self.trainers, self.monitor, self.organizer]:
+            peer.stop()
+
+
+@pytest.fixture(scope="module")
+def aux_swarm(tmp_path_factory):
+    swarm = AuxSwarm(tmp_path_factory.mktemp("aux_swarm"))
+    try:
+        wait_for(lambda: len(list_checkpoints(swarm.tmp_path / "aux")) >= 3 or not swarm.alive(), 300, "3 checkpoints")
+        assert swarm.alive(), [p.output()[-3000:] for p in [swarm.monitor, *swarm.trainers]]
+        yield swarm
+    finally:
+        swarm.stop()
+
+
+# the tests below share one swarm, in this order: those that need it running, then the one that kills its trainers
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_the_dashboard_shows_the_swarms_numbers_in_a_browser(aux_swarm):
+    require(CHROMIUM is not None, "chromium", "apt-get install chromium (.ci/run does)")
+    assert aux_swarm.alive()
+    state = aux_swarm.api_state()
+    assert state["run_id"] == AuxSwarm.RUN_ID and state["global_step"] >= 2 and len(state["peers"]) == 2
+    dom = dashboard_dom(aux_swarm.url())
+    shown_step = int(re.search(r'id="global_step">(\d+)<', dom).group(1))
+    assert shown_step >= state["global_step"]
+    table = re.search(r'<tbody id="peers">(.*?)</tbody>', dom, re.S).group(1)
+    assert table.count("<tr>") == 2, "one table row per trainer"
+    assert '<path d="M' in dom, "the charts were drawn"
+    for peer in state["peers"]:
+        assert f"<td>{peer['peer']}</td>" in table
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_forged_records_are_refused_by_every_peer_and_never_shown(aux_swarm):
+    assert aux_swarm.alive()
+    assert forge_metrics(aux_swarm.initial_peers, AuxSwarm.RUN_ID) == (False, False)
+    after = aux_swarm.api_state()
+    assert len(after["peers"]) == 2 and all(p["step"] < 10**6 for p in after["peers"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_the_aux_peer_assists_in_averaging(aux_swarm):
+    # --assist_in_averaging: it joins the trainers' gradient all-reduce rounds without samples of its own, so their
+    # groups hold three peers (its hivemind log, at --verbose)
+    assert aux_swarm.alive()
+    wait_for(lambda: "Averaged gradients with 3 peers" in aux_swarm.monitor.output(), 120, "a round of three")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(720)
+def test_the_aux_peer_checkpoints_logs_uploads_and_rescues_the_run(aux_swarm, tmp_path):
+    aux_swarm.kill_trainers()  # all trainers die
+    organizer, monitor, trainers = aux_swarm.organizer, aux_swarm.monitor, aux_swarm.trainers
+    wait_for(lambda: not any(p.running() for p in trainers), 30, "the trainers to die")
+    aux_swarm.stop()
     # the busiest DHT traffic of the suite (a monitor refreshing every second, two trainers, a dashboard) stays within
     # every peer's DHT request bounds (hivemind_compat.BoundedDHTProtocol): no honest request was refused
     for peer in [organizer, monitor, *trainers]:
         assert "refused a DHT request" not in peer.output(), peer.output()[-3000:]
-    saved = list_checkpoints(tmp_path / "aux")
+    saved = list_checkpoints(aux_swarm.tmp_path / "aux")
     steps = [step for step, _ in saved]
     assert all(b - a >= 2 for a, b in zip(steps, steps[1:])), f"cadence of 2 global steps: {steps}"
     last_step_saved, last_checkpoint = saved[-1]
-    assert AlbertForPreTraining.from_pretrained(last_checkpoint).config.vocab_size == 2000
-    assert AutoModel.from_pretrained(last_checkpoint) is not None
+    # a transformers checkpoint: the pretraining model and its encoder alone load from it, with the same weights
+    pretraining = AlbertForPreTraining.from_pretrained(last_checkpoint)
+    assert pretraining.config.vocab_size == 2000
+    encoder = AutoModel.from_pretrained(last_checkpoint)
+    for name, tensor in encoder.state_dict().items():
+        torch.testing.assert_close(tensor, pretraining.albert.state_dict()[name], rtol=0, atol=0, msg=name)
     assert (last_checkpoint / "tokenizer.json").exists() and (last_checkpoint / "optimizer.pt").exists()
     # the upload failed (no Hub here): logged with its message, retried, and the checkpoints are intact
     log = monitor.output()
@@ -190,12 +238,13 @@ def test_aux_peer_monitors_checkpoints_and_rescues_the_run(tmp_path):
     ours = [t[:3000] for t in tracebacks if "sahajbert/" in t[:3000] or "huggingface_hub" in t[:3000]]
     assert ours == [], ours[0]
     # wandb (offline) holds what the monitor logged
-    (run_dir,) = (tmp_path / "aux" / "wandb").glob("offline-run-*")
+    (run_dir,) = (aux_swarm.tmp_path / "aux" / "wandb").glob("offline-run-*")
     rows = [row for row in history(run_dir) if "loss" in row]
     assert len(rows) >= 2 and rows[-1]["step"] >= last_step_saved - 2
     assert all(row["alive_peers"] >= 1 and row["loss"] > 0 for row in rows)
 
     # rescue: every peer is gone; an aux peer serves the last checkpoint to a new swarm
+    run_id = AuxSwarm.RUN_ID
     organizer, initial_peers = first_peer(tmp_path / "fp2", run_id)
     rescue = aux(tmp_path, "rescue", run_id, initial_peers, "--initial_state", str(last_checkpoint))
     newcomer = None

@@ -8,6 +8,7 @@ import sys
 import time
 from contextlib import asynccontextmanager, contextmanager
 
+import hivemind.utils.timed_storage
 import psutil
 import pytest
 from hivemind.dht.node import DHTNode
@@ -17,7 +18,9 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
+from hivemind.utils.asyncio import as_aiter
 
+from sahajbert import hivemind_compat
 from sahajbert.adaptive import PROBE_CHUNK, PROBE_PROTOCOL
 from sahajbert.arguments import MAX_RECORD_LIFETIME
 from sahajbert.hivemind_compat import (
@@ -124,7 +127,26 @@ def test_one_stream_message_cannot_fill_a_peers_memory(our_peer):
     plain, ours = results["plain"], results["ours"]
     assert plain["sent_mib"] == FLOOD_MIB and plain["during_mib"] - plain["before_mib"] > FLOOD_MIB / 2, results
     assert ours["during_mib"] - ours["before_mib"] < 32, results
-    assert MAX_STREAM_MESSAGE_BYTES < 2**30
+
+
+async def receive(declared: int, sent: int) -> tuple[int | None, int]:
+    """A p2p stream message that declares `declared` bytes and brings `sent`, read by P2P.receive_raw_data (ours,
+    installed by sahajbert.hivemind_compat): (the length of what it returned, None if it closed the stream; the
+    bytes left unread behind the header)."""
+    reader = asyncio.StreamReader()
+    reader.feed_data(declared.to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + bytes(sent))
+    reader.feed_eof()
+    try:
+        message = len(await P2P.receive_raw_data(reader))
+    except asyncio.IncompleteReadError:
+        message = None
+    return message, len(await reader.read())
+
+
+def test_a_stream_message_is_read_up_to_its_bound_and_refused_over_it_before_any_of_it_is_read():
+    assert asyncio.run(receive(MAX_STREAM_MESSAGE_BYTES, MAX_STREAM_MESSAGE_BYTES)) == (MAX_STREAM_MESSAGE_BYTES, 0)
+    over = MAX_STREAM_MESSAGE_BYTES + 1
+    assert asyncio.run(receive(over, over)) == (None, over)
 
 
 async def probe_with_an_oversized_chunk(info: dict) -> str:
@@ -181,12 +203,22 @@ def test_a_full_storage_refuses_new_records_and_renews_those_it_holds():
     assert storage.store_subkey(shared, 0, b"renewed", now + 120)
 
 
-def test_a_full_storage_has_room_again_once_records_expire():
-    storage, now = BoundedLocalStorage(), get_dht_time()
-    assert all(storage.store(DHTID.generate(f"key{i}"), b"v", now + 0.5) for i in range(MAX_STORED_RECORDS))
-    assert not storage.store(DHTID.generate("one more"), b"v", now + 60)
-    time.sleep(RECOUNT_EVERY + 0.6)  # past their expiration and the next count
-    assert storage.store(DHTID.generate("one more"), b"v", get_dht_time() + 60)
+def test_a_full_storage_has_room_again_once_records_expire(monkeypatch):
+    # one fake clock, moved by the test: the DHT time that records expire by (hivemind's storage and our bounds read
+    # it) and the storage's clock between two counts
+    now = [get_dht_time()]
+    for module in (hivemind.utils.timed_storage, hivemind_compat):
+        monkeypatch.setattr(module, "get_dht_time", lambda: now[0])
+    storage = BoundedLocalStorage(clock=lambda: now[0])
+    expiration = now[0] + RECOUNT_EVERY / 4
+    assert all(storage.store(DHTID.generate(f"key{i}"), b"v", expiration) for i in range(MAX_STORED_RECORDS))
+    assert not storage.store(DHTID.generate("one more"), b"v", now[0] + 60)  # full: counted now
+    now[0] += RECOUNT_EVERY / 2
+    # they have expired, but a full storage counts again only a RECOUNT_EVERY after its last count
+    assert not storage.store(DHTID.generate("one more"), b"v", now[0] + 60)
+    now[0] += RECOUNT_EVERY / 2
+    assert storage.store(DHTID.generate("one more"), b"v", now[0] + 60)
+    assert storage.records() == 1
 
 
 def test_renewing_one_record_does_not_grow_the_expiration_heap():
@@ -286,6 +318,54 @@ def test_one_peer_downloads_one_state_at_a_time():
     assert results["plain"]["served_at_once"] == DOWNLOADS, results
     assert results["ours"]["served_at_once"] == MAX_REQUESTS_PER_PEER["state"] == 1, results
     assert results["ours"]["served_after"], results
+
+
+PART_STREAMS = MAX_REQUESTS_PER_PEER["part"] + 2  # all-reduce streams one flooder opens at once
+
+
+async def flood_part_streams(info: dict) -> dict:
+    """From one peer, open PART_STREAMS all-reduce streams at once, each with a part for a group the target never
+    formed, then one more from another peer; the code of each stream's first answer, in the order they came."""
+
+    async def first_answer(p2p, peer, streams: list) -> str:
+        stub = TrainingStateAverager.get_stub(p2p, peer, namespace="flood")
+        stream = await stub.rpc_aggregate_part(as_aiter(averaging_pb2.AveragingData(group_id=b"no such group")))
+        streams.append(stream)
+        answer = await asyncio.wait_for(anext(stream), 120)
+        return averaging_pb2.MessageCode.Name(answer.code)
+
+    async with connected(info) as (p2p, peer), connected(info) as (other, _):
+        streams = []
+        flood = [asyncio.create_task(first_answer(p2p, peer, streams)) for _ in range(PART_STREAMS)]
+        # once the streams over the bound are answered (at once), and while the others are still held open, another
+        # peer's stream: the bound is per peer
+        done = set()
+        while len(done) < PART_STREAMS - MAX_REQUESTS_PER_PEER["part"]:
+            waiting = [task for task in flood if task not in done]
+            finished, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED, timeout=120)
+            assert finished, "no answer in 120 s"
+            done |= finished
+        another = await first_answer(other, peer, streams)
+        answers = await asyncio.gather(*flood)
+        for stream in streams:
+            await stream.aclose()
+        return {"flooder": sorted(answers), "another": another}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_one_peer_has_a_bounded_number_of_all_reduce_streams_served_at_once():
+    # a part for a group the target never formed: hivemind's averager (the control) answers each at once (no such
+    # group); ours first waits for the group to begin (PART_GROUP_WAIT), holding the stream open, for at most
+    # MAX_REQUESTS_PER_PEER["part"] streams of one peer, and refuses the others at once
+    results = {}
+    for kind in ("plain", "ours"):
+        with target(kind) as info:
+            results[kind] = asyncio.run(flood_part_streams(info))
+    assert results["plain"] == {"flooder": ["BAD_GROUP_ID"] * PART_STREAMS, "another": "BAD_GROUP_ID"}, results
+    served = MAX_REQUESTS_PER_PEER["part"]
+    expected = ["BAD_GROUP_ID"] * served + ["PROTOCOL_VIOLATION"] * (PART_STREAMS - served)
+    assert results["ours"] == {"flooder": expected, "another": "BAD_GROUP_ID"}, results
 
 
 def test_a_callers_dht_allowance_is_a_burst_then_a_rate():

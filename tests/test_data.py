@@ -2,8 +2,7 @@
 
 import itertools
 import json
-import subprocess
-import sys
+import threading
 from collections import Counter
 from types import SimpleNamespace
 
@@ -18,7 +17,7 @@ from sahajbert.examples import SENTENCE_ENDS, PairBuilder, split_sentences
 from sahajbert.stream import Prefetcher, batched, iterate_examples
 from sahajbert.tokenization import word_start_table
 
-from .swarm_helpers import ROOT
+from .swarm_helpers import assert_one_error, run_main, run_script
 
 
 def corpus_args(files, **overrides) -> CorpusArguments:
@@ -168,6 +167,27 @@ def test_local_jsonl_and_parquet_sources_use_the_same_path(tmp_path, tokenizer, 
     assert len(examples) == 50
 
 
+def test_gzip_and_zstd_files_give_the_examples_of_the_plain_files(tmp_path, tokenizer, sample_texts):
+    import gzip
+
+    import zstandard
+
+    text = "\n\n".join(sample_texts[:30])
+    jsonl = "".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in sample_texts[30:60])
+    (tmp_path / "docs.txt").write_text(text, encoding="utf-8")
+    (tmp_path / "docs.txt.gz").write_bytes(gzip.compress(text.encode("utf-8")))
+    (tmp_path / "docs.jsonl").write_text(jsonl, encoding="utf-8")
+    (tmp_path / "docs.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(jsonl.encode("utf-8")))
+
+    def examples(name: str) -> list:
+        found = list(itertools.islice(iterate_examples(corpus_args([str(tmp_path / name)]), tokenizer, 0), 20))
+        assert len(found) == 20, name
+        return [{key: np.asarray(value).tolist() for key, value in example.items()} for example in found]
+
+    assert examples("docs.txt.gz") == examples("docs.txt")
+    assert examples("docs.jsonl.zst") == examples("docs.jsonl")
+
+
 def test_bad_records_are_skipped_and_counted(tmp_path, tokenizer):
     jsonl = tmp_path / "mixed.jsonl"
     records = [
@@ -212,20 +232,29 @@ def test_unknown_source_is_a_clear_error():
 
 
 def test_prefetcher_is_bounded_and_propagates_errors():
-    produced = []
+    depth, count = 3, 100
+    # asked[i]: how many items the consumer had asked for when the producer asked the source for item i
+    asked, taken, changed = [], [0], threading.Condition()
 
     def numbers():
-        for i in range(100):
-            produced.append(i)
+        for i in range(count):
+            with changed:
+                asked.append(taken[0])
+                changed.notify_all()
             yield i
 
-    prefetcher = Prefetcher(numbers(), depth=3)
-    assert next(prefetcher) == 0
-    import time
-
-    time.sleep(0.3)
-    assert len(produced) <= 6, "the producer must not run ahead of the bounded queue"
-    assert list(prefetcher) == list(range(1, 100))
+    prefetcher = Prefetcher(numbers(), depth=depth)
+    for expected in range(count):
+        with changed:
+            # it runs ahead: before each item is taken, the producer has asked for all the queue holds and one more
+            ahead = min(count, taken[0] + depth + 1)
+            assert changed.wait_for(lambda: len(asked) >= ahead, timeout=30), (len(asked), taken[0])  # noqa: B023
+            taken[0] += 1
+        assert next(prefetcher) == expected
+    # and no further: item i is asked for only once item i - depth - 1 was taken (it waits for room in the queue)
+    assert all(i - asked_then <= depth for i, asked_then in enumerate(asked)), asked
+    with pytest.raises(StopIteration):
+        next(prefetcher)
 
     def broken():
         yield 1
@@ -246,50 +275,22 @@ def test_batches_are_full(tokenizer, sample_files):
     assert set(batches[0]) == {"input_ids", "token_type_ids", "attention_mask", "labels", "sentence_order_label"}
 
 
-def test_preview_json_offline(sample_files):
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "data" / "preview.py"),
-            "--tokenizer_path",
-            "sample",
-            "--data_files",
-            *sample_files,
-            "--num_examples",
-            "3",
-            "--json",
-            "--max_seq_length",
-            "64",
-            "--seed",
-            "7",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    records = [json.loads(line) for line in result.stdout.splitlines()]
+def test_preview_json_offline(sample_files, capsys):
+    args = ["--tokenizer_path", "sample", "--data_files", *sample_files, "--num_examples", "3", "--json"]
+    code, out, _ = run_script("data/preview.py", [*args, "--max_seq_length", "64", "--seed", "7"], capsys)
+    assert code == 0
+    records = [json.loads(line) for line in out.splitlines()]
     assert len(records) == 3
     for record in records:
         assert {"input_ids", "token_type_ids", "sentence_order_label", "text_a", "text_b"} <= set(record)
         assert len(record["input_ids"]) <= 64 and record["text_a"] and record["text_b"]
 
 
-def test_preview_bad_tokenizer_is_one_line(tmp_path, sample_files):
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "data" / "preview.py"),
-            "--data_files",
-            *sample_files,
-            "--tokenizer_path",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
+def test_preview_bad_tokenizer_is_one_line(tmp_path, sample_files, capsys):
+    code, stderr = run_main(
+        "data/preview.py", ["--data_files", *sample_files, "--tokenizer_path", str(tmp_path)], capsys
     )
-    assert result.returncode == 2 and "no tokenizer in" in result.stderr and "Traceback" not in result.stderr
+    assert_one_error(code, stderr, "no tokenizer in")
 
 
 def test_the_references_sentence_boundaries_are_danda_question_and_exclamation_only():

@@ -1,16 +1,20 @@
-"""DiLoCo (--diloco_inner_steps): real trainers, each in its own process, on 127.0.0.1."""
+"""DiLoCo (--diloco_inner_steps): real trainers and an aux peer, each in its own process, on 127.0.0.1, in an
+invite-only run (the organizer's allowlist, written by run_first_peer.py --add_invite)."""
 
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from sahajbert.access import add_invite
 from sahajbert.checkpoints import latest_checkpoint, list_checkpoints
-from sahajbert.localswarm import wait_for
+from sahajbert.localswarm import peer_env, wait_for
 from sahajbert.model import load_model
 from sahajbert.train_log import read_train_log as train_log
 
-from .swarm_helpers import first_peer, start_peer, swarm_loss
+from .swarm_helpers import first_peer, script, start_peer, swarm_loss
 
 pytestmark = pytest.mark.slow
 
@@ -31,22 +35,49 @@ COMMON = [*DILOCO, "--max_steps", str(STEPS), "--verbose"]
 OVERLAP = {0: [], 1: ["--diloco_overlap"], 2: ["--diloco_overlap"]}
 
 
-def test_two_diloco_trainers_learn_agree_and_take_in_a_newcomer(tmp_path):
-    peer, initial_peers = first_peer(tmp_path / "first_peer", "diloco")
+def invites(allowlist) -> dict[str, list[str]]:
+    """Each peer's --invite flag: the organizer's command line adds the first, the library the others."""
+    added = subprocess.run(
+        [sys.executable, str(script("run_first_peer.py")), "--allowlist", str(allowlist), "--add_invite", "t0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=peer_env(),
+    )
+    assert added.returncode == 0, added.stderr[-3000:]
+    flags = {"t0": added.stdout.strip().splitlines()[-1].split()}
+    assert flags["t0"][0] == "--invite" and flags["t0"][1].startswith("t0:"), added.stdout
+    for name in ("t1", "t2", "aux"):
+        invite = add_invite(allowlist, name)
+        flags[name] = ["--invite", f"{invite.name}:{invite.secret}"]
+    return flags
+
+
+@pytest.mark.timeout(1500)
+def test_two_diloco_trainers_learn_agree_and_take_in_a_newcomer_in_an_invite_only_run(tmp_path):
+    allowlist = tmp_path / "invites.txt"
+    invite = invites(allowlist)
+    only_invited = ["--allowlist", str(allowlist), "--identity_path", str(tmp_path / "organizer.id")]
+    peer, initial_peers = first_peer(tmp_path / "first_peer", "diloco", only_invited)
+    assert "is invite-only (4 volunteers" in peer.output(), peer.output()[-3000:]
     started = [peer]
     try:
         pair = [
-            start_peer("run_trainer.py", tmp_path, f"t{i}", "diloco", initial_peers, *COMMON, *OVERLAP[i])
+            start_peer(
+                "run_trainer.py", tmp_path, f"t{i}", "diloco", initial_peers, *COMMON, *OVERLAP[i], *invite[f"t{i}"]
+            )
             for i in range(2)
         ]
         started += pair
         # the aux peer monitors the run and checkpoints the swarm's state every 5 outer steps
-        aux_flags = ["--refresh_period", "1", "--checkpoint_every", "5", *DILOCO]
+        aux_flags = ["--refresh_period", "1", "--checkpoint_every", "5", *DILOCO, *invite["aux"]]
         aux = start_peer("run_aux_peer.py", tmp_path, "aux", "diloco", initial_peers, *aux_flags)
         started.append(aux)
         # a newcomer joins once the pair has made an outer step: it downloads the outer and the inner state
         wait_for(lambda: len(train_log(tmp_path / "t0")) >= 1, 300, "an outer step of the first pair")
-        newcomer = start_peer("run_trainer.py", tmp_path, "t2", "diloco", initial_peers, *COMMON, *OVERLAP[2])
+        newcomer = start_peer(
+            "run_trainer.py", tmp_path, "t2", "diloco", initial_peers, *COMMON, *OVERLAP[2], *invite["t2"]
+        )
         started.append(newcomer)
         trainers = [*pair, newcomer]
         for trainer in trainers:

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from sahajbert.lean_albert import LeanAlbertConfig, LeanAlbertForPreTraining
 from sahajbert.model import build_model, count_parameters, load_model, read_config
 
-from .swarm_helpers import ROOT
+from .swarm_helpers import ROOT, require
 
 REFERENCE = ROOT.parent / "shared" / "reference" / "lean-albert-tiny"
 
@@ -19,10 +19,7 @@ REFERENCE = ROOT.parent / "shared" / "reference" / "lean-albert-tiny"
 @pytest.fixture(scope="module")
 def reference() -> Path:
     """The tiny checkpoint and outputs the reference implementation wrote (shared/reference/README.md)."""
-    if not (REFERENCE / "config.json").is_file():
-        if os.environ.get("CI"):
-            pytest.fail(f"CI has ../shared: {REFERENCE} must exist")
-        pytest.skip(f"no reference fixture at {REFERENCE}")
+    require((REFERENCE / "config.json").is_file(), str(REFERENCE), "a checkout beside ../shared (CI has one)")
     return REFERENCE
 
 

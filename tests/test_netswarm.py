@@ -1,4 +1,5 @@
-"""benchmarks/netswarm.py: the quick scenario behind NAT, heterogeneous links, the real model size (needs root)."""
+"""benchmarks/netswarm.py: the quick scenario behind NAT (`make test`); heterogeneous links and the real model size
+(`make test-scale`). Network namespaces, veth pairs and tc need root; CI runs as root."""
 
 import json
 import os
@@ -11,12 +12,14 @@ import pytest
 from sahajbert.localswarm import peer_env
 from sahajbert.train_log import read_train_log
 
-from .swarm_helpers import ROOT
+from .swarm_helpers import ROOT, require
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces, veth pairs and tc need root"),
-]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def _root():
+    require(os.geteuid() == 0, "root", "network namespaces, veth pairs and tc need it: run the suite as root")
 
 
 def namespaces() -> set[str]:
@@ -24,16 +27,19 @@ def namespaces() -> set[str]:
     return {line.split()[0] for line in listing.splitlines() if line.strip()}
 
 
+@pytest.mark.timeout(960)
 def test_quick_scenario_behind_nat_keeps_stepping_through_churn_and_ends_in_agreement(tmp_path):
     # `--quick --nat 2`: two trainers and the replacement after churn, each behind its own masquerading router (only
     # replies come in); they book slots on the first peer's relay once AutoNAT finds them private and reach each
     # other through it (or directly, where libp2p's hole punching gets through). The trainers' defaults: delayed
     # parameter updates (DPU), then one final parameter round at --max_steps. The churn event SIGKILLs a trainer (a
-    # crash: its partner must go on) and starts a newcomer, which downloads the state and trains on.
+    # crash: its partner must go on) and starts a newcomer, which downloads the state and trains on. No relay takes the
+    # newcomer (--no_auto_relay): it falls back to client mode by itself and still trains with the survivor.
     before = namespaces()
     result_path = tmp_path / "result.json"
     run = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "netswarm.py"), "--quick", "--nat", "2", "--timeout", "480"]
+        + ["--newcomer_without_relay"]
         + ["--output_json", str(result_path), "--keep_logs", str(tmp_path / "logs")],
         capture_output=True,
         text=True,
@@ -43,8 +49,9 @@ def test_quick_scenario_behind_nat_keeps_stepping_through_churn_and_ends_in_agre
     )
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     result = json.loads(result_path.read_text())
-    # latency is really there: the measured round trip between the trainers' routers is 2 * (12.5 + 37.5) ms
-    assert 90 <= result["round_trip_ms"] <= 150, result
+    # latency is really there, once per direction: the shortest of several round trips between the trainers'
+    # routers is 2 * (12.5 + 37.5) ms, plus what the userspace switch adds (a busy machine delays only some tries)
+    assert 97 <= result["round_trip_ms"] < 190, result
     assert result["churn_events"] == 1
     assert result["global_steps"] == 8
     assert result["steps_after_last_churn"] >= 3, "global steps must keep being made after the churn event"
@@ -57,9 +64,13 @@ def test_quick_scenario_behind_nat_keeps_stepping_through_churn_and_ends_in_agre
         in checks["behind NAT, --no_auto_relay"]
     ), checks
     assert all(result["nat"].values()) and len(result["nat"]) == 3, result["nat"]
-    for name in result["nat"]:
-        text = (tmp_path / "logs" / f"{name}.log").read_text()
-        assert "behind NAT: other peers reach this one through the relay" in text, (name, text[-3000:])
+    logs = {name: (tmp_path / "logs" / f"{name}.log").read_text() for name in result["nat"]}
+    for name in ("trainer0", "trainer1"):
+        assert "behind NAT: other peers reach this one through the relay" in logs[name], (name, logs[name][-3000:])
+    newcomer = logs["trainer2"]
+    assert "behind NAT and not reachable through a relay: joining again in client mode" in newcomer, newcomer[-3000:]
+    # in client mode it still averaged with the survivor: global steps, and the final round, of both
+    assert max(r.peers for r in read_train_log(tmp_path / "logs" / "trainer2")) == 2, newcomer[-3000:]
     assert result["seconds_per_round"] is not None, "gradient all-reduce rounds between NAT'd trainers finished"
     # the newcomer's state came from a trainer behind NAT: no other peer of this swarm holds one
     assert [d["servers_behind_nat"] for d in result["state_downloads"]] == [True], result["state_downloads"]
@@ -107,6 +118,8 @@ def peer_log_lines(tmp_path, words=END_OF_RUN) -> list[str]:
     ]
 
 
+@pytest.mark.scale
+@pytest.mark.timeout(960)
 def test_each_trainer_measures_its_link_and_declares_it(tmp_path):
     # 200/200, 100/20 and 20/5 Mbit/s; with the tiny model a global step's all-reduce is ~0.5 MB per peer
     result = run_netswarm(tmp_path, "--heterogeneous", "--trainers", "3", "--max_steps", "5", "--timeout", "600")
@@ -119,20 +132,23 @@ def test_each_trainer_measures_its_link_and_declares_it(tmp_path):
     # on the same 2 cores, so how close a fast link's probe comes depends on the machine's load: the 200 Mbit/s link
     # measured 159-164 on an idle machine and 132.9 in a CI run (its 100 Mbit/s download 71.0). Within 25% is asserted
     # for links at most 1/40 of the switch's idle ceiling (the 20 and 5 Mbit/s ones at 800 Mbit/s and up); for every
-    # link, never above its shaper (no probe beats the token bucket), and the fast link measured as the fastest
+    # link, never above its shaper (no probe beats the token bucket); and the fast link measured as the fastest (by
+    # how much depends on the load again)
     for name, link in bandwidth.items():
         assert link["declared_mbit"] <= 1.25 * link["shaped_mbit"], (name, link)
         if link["shaped_mbit"] <= ceiling / 40:
             assert link["declared_mbit"] == pytest.approx(link["shaped_mbit"], rel=0.25), (name, link)
     fast = max(bandwidth, key=lambda name: bandwidth[name]["shaped_mbit"])
     others = [link["declared_mbit"] for name, link in bandwidth.items() if name != fast]
-    assert bandwidth[fast]["declared_mbit"] > 2 * max(others), f"the fast link is measured as the fastest: {bandwidth}"
+    assert bandwidth[fast]["declared_mbit"] > max(others), f"the fast link is measured as the fastest: {bandwidth}"
     # (which peer sends the most bytes is not asserted: at this size a round is 0.5 MB per peer, small next to DHT
     # and TCP traffic, and in a CI run the 20/5 trainer, which joined a step late, sent the most; benchmarks/README.md
     # compares the two balances)
     assert result["parameters_agree"], (result["max_parameter_difference"], peer_log_lines(tmp_path))
 
 
+@pytest.mark.scale
+@pytest.mark.timeout(1560)
 def test_sahajbert_on_broadband_with_the_default_timing(tmp_path):
     # the real model (its layers; the vocabulary of the bundled sample tokenizer) on 100/20 Mbit/s, 100 ms apart:
     # with hand-tuned tiny-model timeouts every gradient round of this scenario failed

@@ -2,8 +2,6 @@
 
 import json
 import runpy
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -70,20 +68,15 @@ def test_calibration_recovers_constants_from_runs_it_made(tmp_path):
     assert PLAN["fit"](PLAN["load"]([str(tmp_path / "runs.json")])) == truth
 
 
-def test_plan_prints_days_and_rejects_a_bad_swarm_in_one_line():
-    plan = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "plan_run.py"), "--preset", "sahajbert-2021", "--steps", "1000"],
-        capture_output=True,
-        text=True,
-    )
-    assert plan.returncode == 0, plan.stderr
-    assert "| days to 1,000 steps |" in plan.stdout and "(56 peers)" in plan.stdout
-    bad = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "plan_run.py"), "--swarm", "4xGTX@broadband"],
-        capture_output=True,
-        text=True,
-    )
-    assert bad.returncode != 0 and bad.stderr.count("\n") == 1 and "expected COUNTxKIND@LINK" in bad.stderr
+def test_plan_prints_days_and_rejects_a_bad_swarm_in_one_line(capsys):
+    assert PLAN["main"](["--preset", "sahajbert-2021", "--steps", "1000"]) == 0
+    out = capsys.readouterr().out
+    assert "| days to 1,000 steps |" in out and "(56 peers)" in out
+    # SystemExit with a message: Python prints it as the one line on stderr, with exit code 1
+    with pytest.raises(SystemExit) as bad:
+        PLAN["main"](["--swarm", "4xGTX@broadband"])
+    assert isinstance(bad.value.code, str) and "\n" not in bad.value.code, bad.value.code
+    assert bad.value.code.startswith("error: --swarm item") and "expected COUNTxKIND@LINK" in bad.value.code
 
 
 def test_relay_options_book_the_initial_peers_and_size_the_relay_for_averaging():

@@ -1,15 +1,12 @@
 """The sahajBERT tokenizer: normalization, pre-tokenization, specials, template, and loading via AutoTokenizer."""
 
-import subprocess
-import sys
-
 import pytest
 from transformers import AutoTokenizer
 
 from sahajbert.samples import SAMPLE_TOKENIZER
 from sahajbert.tokenization import SPECIAL_TOKENS, build_normalizer, build_pre_tokenizer
 
-from .swarm_helpers import ROOT
+from .swarm_helpers import assert_one_error, run_main
 
 
 @pytest.mark.parametrize(
@@ -71,32 +68,19 @@ def test_unknown_characters_map_to_unk(tokenizer):
     assert tokenizer.unk_token_id in tokenizer("漢")["input_ids"]
 
 
-def test_shipped_sample_tokenizer_loads_and_cli_rebuilds_it(tmp_path, sample_files):
+def test_shipped_sample_tokenizer_loads_and_cli_rebuilds_it(tmp_path, sample_files, capsys):
     shipped = AutoTokenizer.from_pretrained(SAMPLE_TOKENIZER)
     assert shipped.mask_token_id == 4 and len(shipped) == 2000
     out = tmp_path / "rebuilt"
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tokenizer" / "train_tokenizer.py"),
-            "--data_files",
-            *sample_files,
-            "--vocab_size",
-            "2000",
-            "--output_dir",
-            str(out),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+    args = ["--data_files", *sample_files, "--vocab_size", "2000", "--output_dir", str(out)]
+    assert run_main("tokenizer/train_tokenizer.py", args, capsys)[0] == 0
     rebuilt = AutoTokenizer.from_pretrained(out)
     # Unigram's multithreaded EM may order tied pieces differently, so ids can move; the pieces may not
     assert set(rebuilt.get_vocab()) == set(shipped.get_vocab()), "the README command must rebuild the same pieces"
     assert [rebuilt.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS] == [0, 1, 2, 3, 4]
 
 
-def test_train_tokenizer_rejects_bad_input(tmp_path):
+def test_train_tokenizer_rejects_bad_input(tmp_path, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     for args, message in [
@@ -104,17 +88,5 @@ def test_train_tokenizer_rejects_bad_input(tmp_path):
         (["--data_files", str(empty)], "data file is empty"),
         (["--sources", "nonexistent_corpus"], "unknown source"),
     ]:
-        result = subprocess.run(
-            [
-                sys.executable,
-                str(ROOT / "tokenizer" / "train_tokenizer.py"),
-                *args,
-                "--output_dir",
-                str(tmp_path / "o"),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert result.returncode == 2
-        assert message in result.stderr and "Traceback" not in result.stderr
+        code, stderr = run_main("tokenizer/train_tokenizer.py", [*args, "--output_dir", str(tmp_path / "o")], capsys)
+        assert_one_error(code, stderr, message)

@@ -1,5 +1,7 @@
 """TrainerPeer in this process, alone in its swarm: the whole loop on the tiny model, in seconds."""
 
+import re
+
 import torch
 
 from sahajbert.arguments import PeerArguments
@@ -59,8 +61,18 @@ def test_the_initial_parameters_digest_tells_one_seed_from_another():
     tokenizer = load_tokenizer("sample")
     digests = [parameters_digest(list(build_model("tiny", tokenizer, seed).parameters())) for seed in (42, 42, 7)]
     assert digests[0] == digests[1] != digests[2]
-    assert len(digests[0]) == 32 and int(digests[0], 16) >= 0
+    assert re.fullmatch("[0-9a-f]{32}", digests[0]), digests[0]
     parameters = list(build_model("tiny", tokenizer, 42).parameters())
-    with torch.no_grad():
-        parameters[-1].view(-1)[0] += 1e-6
-    assert parameters_digest(parameters) != digests[0]
+    # of the values in fp32, whatever their dtype or layout: a float64 copy of each tensor, transposed and back
+    copies = [p.detach().to(torch.float64).t().contiguous().t() if p.dim() == 2 else p.double() for p in parameters]
+    assert parameters_digest(copies) == digests[0]
+    # in order: the same tensors in another order are another starting point
+    assert parameters_digest(parameters[::-1]) != digests[0]
+    # every tensor counts, to its last value's last bit
+    for index, tensor in enumerate(parameters):
+        with torch.no_grad():
+            flat, kept = tensor.view(-1), tensor.view(-1)[-1].clone()
+            flat[-1] = torch.nextafter(kept, torch.tensor(float("inf")))
+            assert parameters_digest(parameters) != digests[0], index
+            flat[-1] = kept
+    assert parameters_digest(parameters) == digests[0]

@@ -3,11 +3,13 @@
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import runpy
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -15,6 +17,7 @@ import torch
 from transformers import AlbertConfig, AlbertForPreTraining
 
 from sahajbert import checkpoints
+from sahajbert import hivemind_compat as compat
 from sahajbert.arguments import (
     AveragingArguments,
     CollaborativeOptimizerArguments,
@@ -228,10 +231,15 @@ def test_both_averagers_wait_the_planned_time_for_a_leaders_answer(tokenizer):
 
 
 def test_schedule_follows_the_global_step_not_mini_steps(lonely_optimizer):
+    # mini-steps of 4 samples toward global steps of 8: at least 2 per step (a step waits for the swarm's count of
+    # samples, which a busy machine may read a pass late)
     model, optimizer = lonely_optimizer
-    for _ in range(6):  # 6 mini-steps of 4 samples = 3 global steps of 8 samples
+    mini_steps = 0
+    while optimizer.local_epoch < 3 and mini_steps < 30:
         train_one_batch(model, optimizer)
-    assert optimizer.local_epoch == 3
+        mini_steps += 1
+    assert optimizer.local_epoch == 3 and mini_steps >= 6, (optimizer.local_epoch, mini_steps)
+    assert lr_at_step(3, 0.01, 4, 100) != lr_at_step(mini_steps, 0.01, 4, 100)
     assert optimizer.opt.param_groups[0]["lr"] == pytest.approx(lr_at_step(3, 0.01, 4, 100))
 
 
@@ -485,6 +493,20 @@ def test_8bit_compression_sends_each_tensor_part_in_the_fewer_bytes():
     assert sizes[1033] == 1033 + 1032 < 2 * 1033 and sizes[4096] == 4096 + 1032, sizes
 
 
+def test_adaptive_compression_sends_parts_up_to_2_16_values_in_fp16_and_larger_ones_in_8_bits():
+    # sahajBERT-XL's rule (--compression adaptive): fp16 up to 2^16 values, 8-bit above, whatever the bytes
+    from hivemind.compression import CompressionInfo
+
+    from sahajbert.optim import make_compression
+
+    compression = make_compression("adaptive")
+    sizes = {}
+    for values in (4096, 2**16, 2**16 + 1):
+        tensor = torch.randn(values)
+        sizes[values] = len(compression.compress(tensor, CompressionInfo.from_tensor(tensor)).buffer)
+    assert sizes == {4096: 2 * 4096, 2**16: 2 * 2**16, 2**16 + 1: 2**16 + 1 + 1032}, sizes
+
+
 @contextlib.contextmanager
 def an_absent_peer(optimizer, dht, run_id: str):
     """Beside a lonely optimizer, a peer that reports progress toward its step and never comes to its averaging
@@ -512,13 +534,13 @@ def an_absent_peer(optimizer, dht, run_id: str):
 
 
 @contextlib.contextmanager
-def diloco_with_an_absent_peer(tokenizer, run_id: str, overlap: bool = False):
-    """A lonely DiLoCo optimizer (3 inner steps, 3-s rounds) beside `an_absent_peer`: its outer round looks for that
-    peer and fails. Yields the model, the optimizer (after 2 inner steps) and the parameters before those steps (in
-    the outer parameters' order)."""
+def diloco_with_an_absent_peer(tokenizer, run_id: str, overlap: bool = False, averaging_timeout: float = 3.0):
+    """A lonely DiLoCo optimizer (3 inner steps, rounds of `averaging_timeout` seconds) beside `an_absent_peer`: its
+    outer round looks for that peer and fails. Yields the model, the optimizer (after 2 inner steps) and the
+    parameters before those steps (in the outer parameters' order)."""
     from sahajbert import hivemind_compat as compat
 
-    model, optimizer, dht = lonely_diloco(tokenizer, run_id, averaging_timeout=3.0, overlap=overlap)
+    model, optimizer, dht = lonely_diloco(tokenizer, run_id, averaging_timeout=averaging_timeout, overlap=overlap)
     try:
         start = [p.detach().clone() for p in compat.master_parameters(optimizer)]
         for _ in range(2):
@@ -612,21 +634,55 @@ def test_an_overlapped_outer_round_runs_behind_the_next_inner_steps_which_keep_t
             torch.testing.assert_close(now.detach(), expected_outer + d, rtol=1e-4, atol=1e-6)
 
 
+# seconds a round that the test ends itself (compat.cancel_round) may look for its group: far longer than the test
+# takes to get there on any machine, so that the round is in flight exactly until the test calls it off
+HELD_ROUND_TIMEOUT = 120.0
+
+
+@contextlib.contextmanager
+def attached(handler: logging.Handler, name: str):
+    """`handler` on the logger `name`, which passes it records from handler.level on, while the body runs."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(handler.level)
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+class CallOffWhenAwaited(logging.Handler):
+    """Calls the optimizer's round in flight off (a round that then fails) as soon as the trainer logs that it waits
+    for it: the round ends when the trainer waits for it, never before. Notes each such wait."""
+
+    def __init__(self, optimizer):
+        super().__init__(logging.INFO)
+        self.optimizer, self.awaited = optimizer, []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("Outer round awaited"):
+            self.awaited.append(record.getMessage())
+            compat.cancel_round(self.optimizer.scheduled_grads)
+
+
 def test_an_overlapping_diloco_trainer_goes_on_with_inner_steps_while_its_round_waits_for_a_slower_peer(tokenizer):
     # a round still in flight at the next H-th inner step (it waits for a slower peer) is not waited for: the inner
     # steps go on until it ends, at the latest the (H + H/10)-th (at least H + 1), and the next round, sent then,
-    # carries them all
-    from sahajbert import hivemind_compat as compat
-
-    with diloco_with_an_absent_peer(tokenizer, "diloco-go-on", overlap=True) as (model, optimizer, _):
-        train_one_batch(model, optimizer)  # the 3rd inner step: the round is sent; it looks for the peer for 1 + 3 s
+    # carries them all. The round here ends (fails) only once the trainer waits for it.
+    run = diloco_with_an_absent_peer(tokenizer, "diloco-go-on", overlap=True, averaging_timeout=HELD_ROUND_TIMEOUT)
+    with run as (model, optimizer, _), attached(CallOffWhenAwaited(optimizer), "sahajbert.hivemind_compat") as waits:
+        train_one_batch(model, optimizer)  # the 3rd inner step: the round is sent, and looks for the absent peer
         for _ in range(2):
             train_one_batch(model, optimizer)
         assert optimizer.round_in_flight, "the round still looks for the absent peer"
         assert not compat.step_would_be_global(optimizer, 4), "the H-th step starts no round while one is in flight"
         train_one_batch(model, optimizer)  # the H-th
         assert optimizer.round_in_flight and optimizer.local_epoch == 0 and optimizer.inner_step == 3, "it waited"
+        assert waits.awaited == [], "the round is not waited for at the H-th step"
         train_one_batch(model, optimizer)  # the (H + 1)-th: it waits for the round to fail, then sends the next
+        assert waits.awaited == ["Outer round awaited after 4 inner step(s) behind it"]
         assert optimizer.local_epoch == 1 and optimizer.round_in_flight and optimizer.inner_step == 0
         assert optimizer.scheduled_grads.weight == 4 * 4, "the round weighs the samples of its H + 1 inner steps"
 
@@ -666,34 +722,62 @@ def test_a_round_called_off_is_called_off_once(tokenizer):
     assert compat.round_steps(final) is None
 
 
+class NotedStores:
+    """hivemind's DHT, noting each store of the progress record `key` made through it: (time.monotonic(), value)."""
+
+    def __init__(self, dht, key):
+        self.dht, self.key, self.made = dht, key, []
+
+    def __getattr__(self, name):
+        return getattr(self.dht, name)
+
+    def store(self, key, value, *args, **kwargs):
+        if key == self.key:
+            self.made.append((time.monotonic(), value))
+        return self.dht.store(key, value, *args, **kwargs)
+
+
 def test_a_diloco_trainer_publishes_its_progress_once_per_round_not_at_every_inner_step(tokenizer):
     # the swarm reads a DiLoCo trainer's step and presence from its progress record; its samples start nothing, and
     # a DHT store at every inner step was most of what a trainer sent on a slow link
-    import time
-
     from sahajbert import hivemind_compat as compat
     from sahajbert.localswarm import wait_for
 
     model, optimizer, dht = lonely_diloco(tokenizer, "diloco-quiet")
     tracker = optimizer.tracker
+    tracker.dht = stores = NotedStores(dht, tracker.training_progress_key)  # (its reporter stores through it)
+    started = time.monotonic()  # (its reporter, started with it, has made no store: no samples yet)
+
+    def reporter_idle():
+        # a report that asks for a store sets this; the reporter clears it and makes the store in one go
+        return not tracker.should_report_progress.is_set()
+
     try:
         train_one_batch(model, optimizer)  # a round's first inner step: published
         wait_for(lambda: published_progress(dht, tracker) == (0, 4), 30, "the round's first report")
         # between reports, progress is noted locally at most every NOTE_PERIOD seconds: one period on, it is
-        time.sleep(compat.NOTE_PERIOD)
+        wait_for(lambda: time.monotonic() - optimizer.noted_at >= compat.NOTE_PERIOD, 30, "a note period", 0.05)
         train_one_batch(model, optimizer)  # kept local
         assert tracker.local_progress.samples_accumulated == 8
-        time.sleep(3)  # (the periodic report comes every 30 s)
-        assert published_progress(dht, tracker) == (0, 4)
+        wait_for(reporter_idle, 30, "the reporter to take any report asked for", 0.01)
         train_one_batch(model, optimizer)  # the outer step (alone): the new step waits for the next inner step
         assert optimizer.local_epoch == 1
-        time.sleep(3)
-        assert published_progress(dht, tracker) == (0, 4)
+        wait_for(reporter_idle, 30, "the reporter to take any report asked for", 0.01)
         train_one_batch(model, optimizer)  # the first inner step at the new step: published, one store per round
         wait_for(lambda: published_progress(dht, tracker) == (1, 4), 30, "the new step's first report")
+        made = list(stores.made)  # (the tracker's shutdown stores once more)
     finally:
         optimizer.shutdown()
         dht.shutdown()
+    # the stores asked for: every one but the tracker's periodic report, which comes metadata_expiration / 2 seconds
+    # after its store before (or its start) and sends what was noted
+    period = tracker.metadata_expiration / 2
+    asked = [
+        (value["epoch"], value["samples_accumulated"])
+        for (before, _), (when, value) in zip([(started, None)] + made, made)
+        if when - before < 0.9 * period
+    ]
+    assert asked == [(0, 4), (1, 4)], [(when - started, v["epoch"], v["samples_accumulated"]) for when, v in made]
 
 
 def test_a_diloco_trainer_publishes_the_runs_last_step_at_once(tokenizer):
@@ -748,13 +832,17 @@ def test_an_overlapping_diloco_trainer_reads_ahead_while_its_last_round_is_still
     from sahajbert import hivemind_compat as compat
     from sahajbert.localswarm import wait_for
 
-    with diloco_with_an_absent_peer(tokenizer, "diloco-read-in-flight", overlap=True) as (model, optimizer, _):
-        train_one_batch(model, optimizer)  # the 3rd inner step: the first round is sent, and fails (nobody comes)
+    run = diloco_with_an_absent_peer(
+        tokenizer, "diloco-read-in-flight", overlap=True, averaging_timeout=HELD_ROUND_TIMEOUT
+    )
+    with run as (model, optimizer, _):
+        train_one_batch(model, optimizer)  # the 3rd inner step: the first round is sent (nobody comes), and called off
+        compat.cancel_round(optimizer.scheduled_grads)
         wait_for(lambda: optimizer.scheduled_grads.done(), 60, "the first round to fail")
         for _ in range(3):  # its outer step at the first, the second round sent at the third
             train_one_batch(model, optimizer)
         assert optimizer.local_epoch == 1 and optimizer.round_in_flight
-        train_one_batch(model, optimizer)  # halfway (1 of 3), the round sent 1 s before its matchmaking begins
+        train_one_batch(model, optimizer)  # halfway (1 of 3)
         assert optimizer.round_in_flight, "the round is still looking for the absent peer"
         assert optimizer.read_ahead_from is not None, "the read is asked for while the round is in flight"
         wait_for(lambda: optimizer.read_ahead_came_in, 30, "the read asked for halfway")
@@ -767,10 +855,13 @@ def test_an_overlapping_diloco_trainers_second_round_reads_ahead_at_step_0(token
     # for starting trainers again, holds)
     from sahajbert import hivemind_compat as compat
 
-    with diloco_with_an_absent_peer(tokenizer, "diloco-read-second", overlap=True) as (model, optimizer, _):
+    run = diloco_with_an_absent_peer(
+        tokenizer, "diloco-read-second", overlap=True, averaging_timeout=HELD_ROUND_TIMEOUT
+    )
+    with run as (model, optimizer, _):
         assert optimizer.read_ahead_from is None, "the run's first round reads after the wait for starting trainers"
         assert not compat.outer_round_in_flight(optimizer)
-        train_one_batch(model, optimizer)  # the 3rd inner step: the first round is sent; it looks for the peer 1 + 3 s
+        train_one_batch(model, optimizer)  # the 3rd inner step: the first round is sent; it looks for the absent peer
         train_one_batch(model, optimizer)  # halfway (1 of 3) through the second round's inner steps
         assert optimizer.local_epoch == 0 and compat.outer_round_in_flight(optimizer), "the first is still in flight"
         assert optimizer.read_ahead_from is not None, "the second round's read is asked for at step 0"

@@ -53,6 +53,7 @@ def swarm(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(420)
 def test_check_passes_against_a_running_first_peer(swarm, tmp_path):
     result = run_trainer(
         "--check",
@@ -84,6 +85,7 @@ def test_check_passes_against_a_running_first_peer(swarm, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(420)
 def test_check_names_the_failing_item_and_its_fix(tmp_path):
     dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWGWn1HNMv3LKnLgpbWQTqVjibrBXd37rwaD1WNqbMmSAQ"
     result = run_trainer(
@@ -108,6 +110,7 @@ def test_check_names_the_failing_item_and_its_fix(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_notebook_joins_a_local_swarm_and_trains(swarm, tmp_path):
     notebook = nbformat.read(ROOT / "notebooks" / "contributor.ipynb", as_version=4)
     (parameters,) = [cell for cell in notebook.cells if "parameters" in cell.metadata.get("tags", [])]

@@ -16,21 +16,22 @@ from sahajbert.checkpoints import latest_checkpoint
 from sahajbert.localswarm import peer_env, wait_for
 from sahajbert.train_log import read_train_log
 
-from .swarm_helpers import ROOT, final_step, first_peer, fixed_batch_loss, start_peer
+from .swarm_helpers import ROOT, final_step, first_peer, fixed_batch_loss, require, start_peer
 
 TPU_PYTHON = ROOT / ".venv-tpu" / "bin" / "python"
 XLA_ENV = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
 LOCKSTEP = ["--delay_optimizer_step", "false", "--delay_grad_averaging", "false"]
 pytestmark = pytest.mark.xla
+# the XLA checks (tests/xla_checks.py) run once, for up to 600 s, in whichever of their tests comes first
+SPMD_LIMIT = pytest.mark.timeout(660)
 
 
 @pytest.fixture(scope="module")
 def tpu_python():
-    if not TPU_PYTHON.exists():
-        reason = f"{TPU_PYTHON} is missing: `make venv-tpu` builds it from requirements-tpu.txt"
-        if os.environ.get("SAHAJBERT_REQUIRE_XLA"):
-            pytest.fail(reason)
-        pytest.skip(reason)
+    fix = "`make venv-tpu` builds it from requirements-tpu.txt"
+    if not TPU_PYTHON.exists() and os.environ.get("SAHAJBERT_REQUIRE_XLA"):  # set by `make test`, as in CI
+        pytest.fail(f"{TPU_PYTHON} is missing: {fix}")
+    require(TPU_PYTHON.exists(), str(TPU_PYTHON), fix)
     return str(TPU_PYTHON)
 
 
@@ -54,6 +55,7 @@ def spmd_report(tpu_python):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@SPMD_LIMIT
 def test_spmd_pass_over_four_devices_matches_the_cpu(spmd_report):
     report = spmd_report
     assert report["cores"] == 4 and report["device"] == "XLA CPU x4"
@@ -65,6 +67,7 @@ def test_spmd_pass_over_four_devices_matches_the_cpu(spmd_report):
     assert report["recompilations"] == 0
 
 
+@SPMD_LIMIT
 def test_parameters_pushed_after_a_host_update_match_the_host_copy(spmd_report):
     report = spmd_report
     assert report["diff_before_push"] > 0.01, "the host update must have changed the parameters"
@@ -73,6 +76,7 @@ def test_parameters_pushed_after_a_host_update_match_the_host_copy(spmd_report):
     assert report["grad_rel_diff_after_push"] < 1e-5, report
 
 
+@SPMD_LIMIT
 def test_spmd_pass_of_lean_albert_matches_the_cpu(spmd_report):
     report = spmd_report
     assert report["lean_model"] == "LeanAlbertForPreTraining"
@@ -81,6 +85,7 @@ def test_spmd_pass_of_lean_albert_matches_the_cpu(spmd_report):
     assert report["lean_recompilations"] == 0
 
 
+@SPMD_LIMIT
 def test_bf16_on_xla_sends_unscaled_fp32_gradients(spmd_report):
     report = spmd_report
     assert report["bf16_grad_dtypes"] == ["torch.float32"]
@@ -89,7 +94,6 @@ def test_bf16_on_xla_sends_unscaled_fp32_gradients(spmd_report):
     assert report["bf16_loss"] == pytest.approx(report["cpu_loss_after_push"], abs=0.02)
 
 
-@pytest.mark.slow
 def start_xla_peer(tmp_path, run_id: str, initial_peers: list[str], tpu_python: str, *flags):
     """A trainer on the 4 XLA devices (TPU virtualenv), 2 samples per core: 8 per pass, a CPU peer's batch."""
     return start_peer(
@@ -110,6 +114,8 @@ def assert_models_agree(tmp_path, names=("xla", "cpu")) -> None:
         torch.testing.assert_close(a[name], b[name], atol=2e-3, rtol=1e-2, msg=f"{name} differs between peers")
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_cpu_peer_and_xla_peer_train_one_model(tmp_path, tpu_python, xla_env):
     """A plain CPU peer (main venv, fp32) and an XLA peer (TPU venv, 4 devices, bf16) make global steps together."""
     run_id = "hetero"
@@ -144,6 +150,8 @@ def test_cpu_peer_and_xla_peer_train_one_model(tmp_path, tpu_python, xla_env):
     assert fixed_batch_loss(latest_checkpoint(tmp_path / "cpu")) < fixed_batch_loss(None), (xla_log, cpu_log)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_diloco_on_a_tpu_host_with_a_client_mode_peer_then_resumed(tmp_path, tpu_python, xla_env):
     """DiLoCo with the peers it must work with: an XLA peer (TPU venv, 4 devices) and a CPU peer in client mode (it
     leads no group and serves nothing) make outer steps together and agree after the final round; the CPU peer

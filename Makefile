@@ -13,7 +13,7 @@ export WANDB_MODE ?= offline
 # the suite's tests wait on peers far more than they compute (a swarm test keeps ~40% of 2 cores busy), so two
 # workers (pytest-xdist) run two modules at a time; each module stays on one worker, with its shared swarm
 WORKERS ?= 2
-PYTEST_WORKERS := -n $(WORKERS) --dist loadscope
+PYTEST_WORKERS := -n $(WORKERS) --dist loadscope --no-loadscope-reorder
 
 .PHONY: venv venv-tpu test test-fast test-scale lint demo bench clean
 

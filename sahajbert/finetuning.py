@@ -225,6 +225,7 @@ def run_task(task_name: str, finetune_args: FinetuneArguments, training_args: Fi
         DataCollatorWithPadding,
         EarlyStoppingCallback,
         Trainer,
+        set_seed,
     )
 
     from sahajbert.devices import choose_precision, describe_device
@@ -240,6 +241,8 @@ def run_task(task_name: str, finetune_args: FinetuneArguments, training_args: Fi
     if finetune_args.hidden_dropout_prob is not None:  # sahajBERT-XL fine-tuned with dropout 0.1
         labels["hidden_dropout_prob"] = finetune_args.hidden_dropout_prob
     head = "token_classification" if task.name == "ner" else "sequence_classification"
+    # the seed also picks the new head's initial weights (the Trainer seeds only once the model exists)
+    set_seed(training_args.seed)
     model = load_model(finetune_args.model_name_or_path, head, **labels)
     if torch.cuda.is_available() and not (training_args.fp16 or training_args.bf16):
         training_args.fp16 = choose_precision(describe_device("cuda"), "auto") == "fp16"
@@ -273,6 +276,7 @@ def run_task(task_name: str, finetune_args: FinetuneArguments, training_args: Fi
     validation = trainer.evaluate(encoded["validation"], metric_key_prefix="validation")
     test = trainer.evaluate(encoded["test"], metric_key_prefix="test")
     trainer.save_model(training_args.output_dir)
+    trainer.save_state()  # trainer_state.json: every epoch's validation scores, and which checkpoint was the best
     results = {
         "task": task.name,
         "model_name_or_path": finetune_args.model_name_or_path,

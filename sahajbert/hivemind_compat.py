@@ -104,6 +104,7 @@ _serialization._BASE_COMPRESSION_TYPES["QUANTILE_8BIT"] = Quantile8Bit()
 MAX_STREAM_MESSAGE_BYTES = 8 * 2**20
 # seconds a part for a group this averager has not begun yet waits for it (without a chunk timeout), and between looks
 PART_GROUP_WAIT, PART_GROUP_POLL = 30.0, 0.01
+SCHEDULE_MARGIN = 1.0  # seconds a round scheduled ahead starts before its timeout ends (hivemind asserts it does)
 REFUSED_LOG_EVERY = 10.0  # seconds between two lines about refused input of one kind: a flood must not flood the log
 
 
@@ -1811,21 +1812,32 @@ class DiLoCoOptimizer(GuardedOptimizer):
         if peers > 1:
             seconds_per_step = (time.monotonic() - self.round_began) / max(1, self.inner_step)
             control = self._schedule_round(peers, (self.inner_steps - self.inner_step) * seconds_per_step)
+            if control is None:
+                return  # the round is looked for at the H-th step instead
             if self.round_in_flight:
                 self.next_round = control
             else:
                 self.scheduled_grads = control
 
-    def _schedule_round(self, peers: int, delay: float) -> StepControl:
+    def _schedule_round(self, peers: int, delay: float) -> StepControl | None:
         """A gradient round that looks for its group now and starts its all-reduce when triggered; a group waits
         `delay` seconds (the time to the H-th inner step) plus `wait` for the others, the matchmaking time at
-        least, and is complete as soon as it holds every trainer when `wait` > 0."""
+        least, and is complete as soon as it holds every trainer when `wait` > 0. None, with a warning, when
+        hivemind refuses it: the round is then looked for when it begins, as hivemind's optimizer does."""
         if self.wait > 0:
             self.grad_averager.set_target_group_size(peers)
         wait = max(self.wait, self.matchmaking_time)
-        return self.grad_averager.schedule_step(
-            scheduled_time=get_dht_time() + delay + wait, timeout=self.averaging_timeout
-        )
+        # hivemind refuses a start later than the round's timeout: a pace estimate can ask for that (a trainer whose
+        # inner steps stalled), and the round then starts at the latest time that still fits
+        if self.averaging_timeout is not None:
+            delay = min(delay, self.averaging_timeout - wait - SCHEDULE_MARGIN)
+        try:
+            return self.grad_averager.schedule_step(
+                scheduled_time=get_dht_time() + max(0.0, delay) + wait, timeout=self.averaging_timeout
+            )
+        except Exception as e:  # noqa: BLE001 - hivemind asserts its scheduling rules; a round it refuses is not made
+            logger.warning(f"could not schedule the outer round ahead ({e!r}): it looks for its group when it begins")
+            return None
 
     @property
     def read_ahead_came_in(self) -> bool:
@@ -1849,7 +1861,7 @@ class DiLoCoOptimizer(GuardedOptimizer):
         peers = self.tracker.global_progress.num_peers
         # a group looked for ahead (`_match_ahead`) is taken as it is; alone, hivemind cancels it
         if peers > 1 and not _pending(self.scheduled_grads):
-            self.scheduled_grads = self._schedule_round(peers, 0.0)
+            self.scheduled_grads = self._schedule_round(peers, 0.0)  # None: hivemind schedules its own below
         self.own_pseudo_gradient = [p.grad for p in self.state_averager.main_parameters]
         self.inner_step = self.round_samples = 0
         self.round_began = time.monotonic()
@@ -1863,6 +1875,8 @@ class DiLoCoOptimizer(GuardedOptimizer):
                 self._update_global_epoch(None)
             finally:
                 self.own_pseudo_gradient = None
+                # the pace of the next inner steps is measured from here: the wait for this round is no inner step's
+                self.round_began = time.monotonic()
         self.zero_grad(set_to_none=True)
 
     def finish_outer_round(self, timeout: float | None = None) -> None:

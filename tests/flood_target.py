@@ -9,6 +9,7 @@ closes. Its state is VALUES parameters (default 1000); RATE,BURST replace our DH
 """
 
 import json
+import os
 import sys
 from functools import partial
 from pathlib import Path
@@ -35,11 +36,14 @@ def main() -> None:
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     if kind == "ours":
         adaptive.serve_link_probe(dht)
+    # FLOOD_CHUNK_TIMEOUT: the averager's next_chunk_timeout (seconds), for a test that waits it out
+    chunk_timeout = float(os.environ["FLOOD_CHUNK_TIMEOUT"]) if "FLOOD_CHUNK_TIMEOUT" in os.environ else None
     averager = averager_class(
         dht=dht,
         optimizer=partial(torch.optim.SGD, lr=0.1),
         params=[torch.nn.Parameter(torch.zeros(values))],
         prefix=PREFIX,
+        next_chunk_timeout=chunk_timeout,
         start=True,
     )
     handler = TrainingStateAverager._get_handle_name(PREFIX, "rpc_aggregate_part")

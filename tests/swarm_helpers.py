@@ -4,6 +4,7 @@ import contextlib
 import functools
 import itertools
 import os
+import re
 import runpy
 import sys
 from pathlib import Path
@@ -219,3 +220,12 @@ def assert_one_error(code: int, stderr: str, message: str) -> str:
     assert code == 2 and len(errors) == 1 and message in errors[0], stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
     return errors[0]
+
+
+def quiet(output: str) -> None:
+    """A peer's terminal shows one line per event: none of hivemind's per-refresh or start-up lines, no asyncio noise,
+    no traceback, no repeated save."""
+    for noise in ("ETA ", "Task was destroyed", "It is recommended to use request_timeout", "Traceback"):
+        assert noise not in output, f"{noise!r} in:\n{output[-3000:]}"
+    saved = re.findall(r"saved checkpoint (\S+)", output)
+    assert len(saved) == len(set(saved)), saved

@@ -13,7 +13,7 @@ from sahajbert.access import Allowlist, Authority, add_invite, parse_invite, rea
 from sahajbert.cli import UserError
 from sahajbert.localswarm import PeerProcess, peer_env, wait_for
 
-from .swarm_helpers import ROOT, TINY_TRAINING, first_peer, script
+from .swarm_helpers import ROOT, TINY_TRAINING, assert_one_error, first_peer, run_main, run_script, script
 
 LIFETIME = 15.0  # seconds: the first peer's --token_lifetime here (600 by default)
 
@@ -80,13 +80,6 @@ def step_with_two_peers(peer: PeerProcess) -> bool:
     return any("global step" in line and "| 2 peer(s)" in line for line in peer.output().splitlines())
 
 
-def one_line_error(completed) -> str:
-    lines = completed.stdout.strip().splitlines() + completed.stderr.strip().splitlines()
-    assert completed.returncode == 2, completed.stdout + completed.stderr
-    assert "Traceback" not in completed.stderr, completed.stderr
-    return lines[-1]
-
-
 def probe(*args, timeout=150) -> dict:
     completed = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "access_probe.py"), *args],
@@ -101,7 +94,7 @@ def probe(*args, timeout=150) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_invite_only_run(tmp_path):
+def test_invite_only_run(tmp_path, capsys):
     allowlist = tmp_path / "allow.txt"
     invites = {name: add_invite(allowlist, name) for name in ("alice", "bob", "mallory")}
     invite = {name: f"{i.name}:{i.secret}" for name, i in invites.items()}
@@ -117,27 +110,19 @@ def test_invite_only_run(tmp_path):
         bob = trainer(tmp_path, "bob", initial_peers, "--invite", invite["bob"])
         peers += [alice, bob]
 
-        # meanwhile, uninvited and with a wrong secret: one line each, exit code 2
+        # meanwhile, uninvited and with a wrong secret (in this process: bad input): one line each, exit code 2
         common = [*TINY_TRAINING, "--run_id", "invited", "--initial_peers", *initial_peers, "--max_steps", "1"]
-        runs = [
-            subprocess.Popen(
-                [sys.executable, str(script("run_trainer.py")), *common, *extra, "--output_dir", str(tmp_path / name)],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env=peer_env(),
-            )
-            for name, extra in (("nobody", []), ("guesser", ["--invite", "alice:guessed"]))
-        ]
-        check = [sys.executable, str(script("run_trainer.py")), "--check", *common[:-2], "--output_dir", str(tmp_path)]
-        runs.append(subprocess.Popen(check, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=peer_env()))
-        outcomes = [subprocess.CompletedProcess(run.args, run.wait(180), *run.communicate()) for run in runs]
-        assert "this run is invite-only: add --invite NAME:SECRET" in one_line_error(outcomes[0])
-        assert "refused the invite 'alice'" in one_line_error(outcomes[1])
+        for name, extra, message in (
+            ("nobody", [], "this run is invite-only: add --invite NAME:SECRET"),
+            ("guesser", ["--invite", "alice:guessed"], "refused the invite 'alice'"),
+        ):
+            args = [*common, *extra, "--output_dir", str(tmp_path / name)]
+            assert_one_error(*run_main("run_trainer.py", args, capsys), message)
         # the volunteer's checklist says what is missing, and how to fix it
-        assert outcomes[2].returncode == 1, outcomes[2].stdout + outcomes[2].stderr
-        assert "[FAIL] invite: this run is invite-only" in outcomes[2].stdout
-        assert "pass --invite NAME:SECRET exactly as the organizer sent it" in outcomes[2].stdout
+        code, out, err = run_script("run_trainer.py", ["--check", *common[:-2], "--output_dir", str(tmp_path)], capsys)
+        assert code == 1, out + err
+        assert "[FAIL] invite: this run is invite-only" in out
+        assert "pass --invite NAME:SECRET exactly as the organizer sent it" in out
 
         # invited trainers average with each other: steps of the swarm's batch made by two peers
         wait_for(lambda: step_with_two_peers(alice) and step_with_two_peers(bob), 240, "two invited trainers' steps")

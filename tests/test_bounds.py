@@ -46,16 +46,17 @@ ARRIVAL_WAIT = 60.0  # seconds for what was sent into an open stream to reach th
 
 
 @contextmanager
-def target(kind: str, values: int = 1000, dht_allowance: str | None = None):
+def target(kind: str, values: int = 1000, dht_allowance: str | None = None, chunk_timeout: float | None = None):
     """A flood target (tests/flood_target.py, its state `values` parameters, our DHT request allowance "RATE,BURST"
-    if given) in its own process; what it printed about itself."""
+    if given, its averager's next_chunk_timeout if given) in its own process; what it printed about itself."""
+    env = peer_env() | ({"FLOOD_CHUNK_TIMEOUT": str(chunk_timeout)} if chunk_timeout is not None else {})
     process = subprocess.Popen(
         [sys.executable, str(ROOT / "tests" / "flood_target.py"), kind, str(values)]
         + ([dht_allowance] if dht_allowance else []),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        env=peer_env(),
+        env=env,
     )
     try:
         line = process.stdout.readline()
@@ -356,11 +357,11 @@ async def flood_part_streams(info: dict) -> dict:
 @pytest.mark.timeout(420)
 def test_one_peer_has_a_bounded_number_of_all_reduce_streams_served_at_once():
     # a part for a group the target never formed: hivemind's averager (the control) answers each at once (no such
-    # group); ours first waits for the group to begin (PART_GROUP_WAIT), holding the stream open, for at most
-    # MAX_REQUESTS_PER_PEER["part"] streams of one peer, and refuses the others at once
+    # group); ours first waits for the group to begin (for its next_chunk_timeout, here 5 s), holding the stream
+    # open, for at most MAX_REQUESTS_PER_PEER["part"] streams of one peer, and refuses the others at once
     results = {}
     for kind in ("plain", "ours"):
-        with target(kind) as info:
+        with target(kind, chunk_timeout=5.0) as info:
             results[kind] = asyncio.run(flood_part_streams(info))
     assert results["plain"] == {"flooder": ["BAD_GROUP_ID"] * PART_STREAMS, "another": "BAD_GROUP_ID"}, results
     served = MAX_REQUESTS_PER_PEER["part"]

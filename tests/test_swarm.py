@@ -20,7 +20,7 @@ from sahajbert.signals import StopRequest
 from sahajbert.train_log import read_train_log as train_log
 from sahajbert.trainer import TrainerPeer
 
-from .swarm_helpers import ROOT, final_step, first_peer, fixed_batch_loss, last_step, start_peer, swarm_loss
+from .swarm_helpers import ROOT, final_step, first_peer, fixed_batch_loss, last_step, quiet, start_peer, swarm_loss
 
 pytestmark = pytest.mark.slow
 
@@ -141,7 +141,8 @@ def test_two_lockstep_trainers_of_lean_albert_with_adaptive_compression_make_glo
 def test_a_trainer_stopped_by_sigterm_leaves_no_orphans_and_resumes_from_its_checkpoint(tmp_path):
     organizer, initial_peers = first_peer(tmp_path / "first_peer", "resume")
     try:
-        peer = trainer(tmp_path, "resume", "resume", initial_peers, "--max_steps", "100")
+        small = ["--target_batch_size", "64"]  # steps of a few passes: what is under test is the stop and the restart
+        peer = trainer(tmp_path, "resume", "resume", initial_peers, "--max_steps", "100", *small)
         try:
             wait_for(lambda: last_step(tmp_path / "resume") >= 1, 240, "a first global step")
             children = peer.descendants()
@@ -156,13 +157,16 @@ def test_a_trainer_stopped_by_sigterm_leaves_no_orphans_and_resumes_from_its_che
         # the stop saved a checkpoint at the step it reached; a restart in the same folder goes on from there
         stopped_at = list_checkpoints(tmp_path / "resume")[-1][0]
         assert stopped_at == last_step(tmp_path / "resume") >= 1
-        resumed = trainer(tmp_path, "resume", "resume", initial_peers, "--max_steps", str(stopped_at + 2))
+        resumed = trainer(tmp_path, "resume", "resume", initial_peers, "--max_steps", str(stopped_at + 2), *small)
         try:
             assert resumed.wait(240) == 0, resumed.output()[-3000:]
         finally:
             resumed.stop()
     finally:
         organizer.stop()
+    # each run's terminal: one line per event, with the default logging a user gets
+    for run in (peer, resumed):
+        quiet(run.output())
     assert f"resuming from {tmp_path / 'resume' / f'checkpoint-{stopped_at}'}" in resumed.output(), resumed.output()
     steps = [r.step for r in train_log(tmp_path / "resume")]
     assert steps == list(range(1, stopped_at + 3)), steps

@@ -603,6 +603,31 @@ def test_a_failed_outer_round_steps_on_the_peers_own_pseudo_gradient(tokenizer, 
         assert moved.norm() > own.norm(), "Nesterov SGD at lr 0.7, momentum 0.9: 1.33x the pseudo-gradient"
 
 
+def test_an_outer_round_scheduled_ahead_always_fits_its_timeout_and_a_refused_one_is_no_crash(tokenizer, caplog):
+    # the round looked for ahead starts at the H-th inner step by the trainer's pace: a pace estimate of an hour a
+    # step (inner steps that stalled) asked hivemind for a start beyond the round's timeout, which it asserts against
+    # (both trainers exited 1). It starts at the latest time that fits instead; a round hivemind still refuses (a
+    # wait longer than the timeout) is looked for when it begins, with one warning line
+    from hivemind.utils import get_dht_time
+
+    with diloco_with_an_absent_peer(tokenizer, "diloco-schedule-edge") as (model, optimizer, _):
+        optimizer.round_began -= 3600.0
+        seconds_per_step = 3600.0 / max(1, optimizer.inner_step)
+        control = optimizer._schedule_round(2, (optimizer.inner_steps - optimizer.inner_step) * seconds_per_step)
+        assert control is not None, "a start within the timeout was refused"
+        try:
+            assert get_dht_time() < control.scheduled_time < get_dht_time() + optimizer.averaging_timeout
+        finally:
+            control.cancel()
+        optimizer.wait = optimizer.averaging_timeout + 10.0
+        with caplog.at_level("WARNING", logger="sahajbert"):
+            assert optimizer._schedule_round(2, 0.0) is None
+        assert [r.getMessage() for r in caplog.records if "could not schedule the outer round ahead" in r.getMessage()]
+        optimizer.wait = 0.0
+        train_one_batch(model, optimizer)  # the H-th inner step: its round is scheduled, found nobody, and done
+        assert optimizer.local_epoch == 1
+
+
 def test_an_overlapped_outer_round_runs_behind_the_next_inner_steps_which_keep_their_progress(tokenizer):
     # --diloco_overlap: the round (here one that fails: the other peer never comes) runs while the trainer goes on;
     # its outer step then moves the model by as much as it moved the outer parameters, and what the model did since

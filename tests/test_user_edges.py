@@ -24,7 +24,7 @@ from sahajbert.samples import SAMPLE_FILES
 from sahajbert.signals import FORCE_AFTER, StopNow, StopRequest
 from sahajbert.stream import Prefetcher
 
-from .swarm_helpers import LOCAL, ROOT, USER_SCRIPTS, assert_one_error, first_peer, run_main, script
+from .swarm_helpers import LOCAL, ROOT, USER_SCRIPTS, assert_one_error, quiet, run_main, script
 
 ENGLISH = "\n\n".join(" ".join(f"The cat number {i} sat on mat {j}." for j in range(8)) for i in range(50))
 
@@ -239,14 +239,6 @@ def test_each_script_shows_only_its_flags_with_its_own_defaults(capsys):
 # ---- real processes: nothing hangs, signals, ports, peers ----
 
 
-def quiet(output: str) -> None:
-    """One line per event: none of hivemind's per-refresh or start-up lines, no asyncio noise, no repeated save."""
-    for noise in ("ETA ", "Task was destroyed", "It is recommended to use request_timeout", "Traceback"):
-        assert noise not in output, f"{noise!r} in:\n{output[-3000:]}"
-    saved = re.findall(r"saved checkpoint (\S+)", output)
-    assert len(saved) == len(set(saved)), saved
-
-
 def test_a_trainer_on_text_without_sentence_breaks_fails_instead_of_hanging(tmp_path, capsys):
     english = tmp_path / "english.txt"
     english.write_text(ENGLISH)
@@ -435,30 +427,6 @@ def test_the_dht_process_reads_every_call_before_its_peer_leaves(tmp_path):
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
     assert "Traceback" not in errors.read_text(), errors.read_text()
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(420)
-def test_a_trainer_run_is_quiet(tmp_path):
-    """A first peer and a tiny trainer to a few steps, with default logging: one line per event."""
-    fp, initial_peers = first_peer(tmp_path, "quiet")
-    try:
-        from sahajbert.localswarm import tiny_trainer_flags
-
-        flags = tiny_trainer_flags(max_steps=3, target_batch_size=64, save_steps=3, output_dir=tmp_path / "t")
-        result = subprocess.run(
-            [sys.executable, str(script("run_trainer.py")), "--run_id", "quiet", "--initial_peers", *initial_peers]
-            + flags,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=peer_env(),
-        )
-    finally:
-        fp.stop()
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "global step 3 |" in result.stderr
-    quiet(result.stderr)
 
 
 # ---- stopping: the rules behind "within seconds" ----

@@ -427,9 +427,9 @@ async def flood_dht_requests(info: dict, limit: int) -> dict:
         await other.shutdown()
 
 
-# the allowance of the target flooded below: far under the flooder's pace on any machine (the defaults are 5x
-# hivemind's measured peak, which a loopback flood on a busy 2-core machine may not outrun)
-TEST_RATE, TEST_BURST = 20, 200
+# the allowance of the target flooded below: far under the flooder's pace on any machine, a busy one included (the
+# defaults are 5x hivemind's measured peak, which a loopback flood beside other work may not outrun)
+TEST_RATE, TEST_BURST = 5, 50
 
 
 @pytest.mark.slow

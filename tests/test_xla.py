@@ -110,8 +110,17 @@ def start_xla_peer(tmp_path, run_id: str, initial_peers: list[str], tpu_python: 
 def assert_models_agree(tmp_path, names=("xla", "cpu")) -> None:
     """The final checkpoints of the named peers hold the same parameters (within 2e-3 + 1% of each value)."""
     a, b = (AlbertForPreTraining.from_pretrained(latest_checkpoint(tmp_path / n)).state_dict() for n in names)
+    # on a mismatch, how each peer's last rounds ended says which of them kept parameters of its own
+    endings = "\n".join(
+        line
+        for n in names
+        for line in (tmp_path / f"{n}.log").read_text().splitlines()
+        if any(word in line for word in ("final", "partial", "round", "download", "stopped", "WARN", "ERROR"))
+    )
     for name in a:
-        torch.testing.assert_close(a[name], b[name], atol=2e-3, rtol=1e-2, msg=f"{name} differs between peers")
+        torch.testing.assert_close(
+            a[name], b[name], atol=2e-3, rtol=1e-2, msg=lambda m, name=name: f"{name} differs: {m}\n{endings}"
+        )
 
 
 @pytest.mark.slow

@@ -7,6 +7,8 @@ win), and each script shows only the flags it uses.
 """
 
 import argparse
+import asyncio
+import concurrent.futures
 import dataclasses
 import difflib
 import enum
@@ -30,10 +32,16 @@ class UserError(Exception):
 
 
 class _DropPendingTaskNoise(logging.Filter):
-    """asyncio's "Task was destroyed but it is pending!" at shutdown: hivemind's loops end with tasks in flight."""
+    """asyncio's "Task was destroyed but it is pending!" at shutdown: hivemind's loops end with tasks in flight; and
+    its "Task exception was never retrieved" for hivemind's averager finishing a round this peer had cancelled (it
+    sets the result of a cancelled step: InvalidStateError), which changes nothing."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("Task was destroyed but it is pending")
+        if str(record.msg).startswith("Task was destroyed but it is pending"):
+            return False
+        error = record.exc_info[1] if record.exc_info else None
+        late_result = isinstance(error, concurrent.futures.InvalidStateError | asyncio.InvalidStateError)
+        return not (late_result and "CANCELLED" in str(error))
 
 
 def setup_logging(level: int = logging.INFO) -> None:

@@ -700,6 +700,16 @@ def round_peers(control: StepControl) -> set[str]:
     return {peer.to_base58() for peer in control.result()} if _succeeded(control) else set()
 
 
+def unbacked_claims(optimizer: hivemind.Optimizer) -> dict[str, int]:
+    """Steps other serving peers claim beyond the swarm's step this peer follows, and beyond the usual one-step lag
+    (no other peer backs them, and this one cannot vouch for their claimants), by peer id (base58)."""
+    tracker = optimizer.tracker
+    if not isinstance(tracker, BoundedProgressTracker):
+        return {}
+    followed = tracker.global_epoch
+    return {PeerID(peer).to_base58(): step for peer, step in tracker.claims_ahead.items() if step > followed + 1}
+
+
 def left_out_peers(optimizer: hivemind.Optimizer) -> set[str]:
     """The peers (base58) this peer's averagers have left out (`GuardedOptimizer`)."""
     return {PeerID(peer).to_base58() for peer in optimizer._left_out_peers()}
@@ -953,6 +963,7 @@ class RobustAllReduceRunner(AllReduceRunner):
     def __init__(self, *args, aggregation: robust.Aggregation, distrusted: set[PeerID], distrust, **kwargs):
         super().__init__(*args, **kwargs)
         self.distrusted, self.distrust = distrusted, distrust
+        self.dropped_senders: set[PeerID] = set()  # whose contributions this peer's reducer dropped as non-finite
         # the reducer hivemind made never runs: marked finished, it does not warn of 0% received when collected
         self.tensor_part_reducer.finished.set()
         own_sender = self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else None
@@ -1001,6 +1012,10 @@ class RobustAllReduceRunner(AllReduceRunner):
 
     def finalize(self, *, cancel: bool = False, exception: BaseException | None = None):
         reducer = self.tensor_part_reducer
+        # kept for the averager, which vouches for the round's other peers: not for these
+        self.dropped_senders |= {
+            self.sender_peer_ids[i] for i in reducer.dropped if 0 <= i < len(self.sender_peer_ids)
+        }
         for what, senders in (
             ("non-finite or misshapen", reducer.dropped),
             ("outlying", reducer.outliers - reducer.dropped),
@@ -1018,6 +1033,8 @@ class RobustAllReduceRunner(AllReduceRunner):
 # seconds a stopping averager waits after its last served all-reduce stream has ended, for the p2p daemon to pass
 # the last chunk on (the daemon stays up with the DHT, but the averager's end of the stream closes at its exit)
 FLUSH_AFTER_SERVING = 0.5
+# seconds a peer whose state was refused, cut short or timed out is not asked again by a download open to any peer
+REFUSED_STATE_COOLDOWN = 120.0
 STATE_SLACK_BYTES = 4096  # per tensor of a downloaded state: its serialized header, beyond 4 bytes per value
 SERVING_WAIT_UNTIMED = 10.0  # seconds to wait for served streams when the averager has no chunk timeout
 
@@ -1110,6 +1127,15 @@ class GuardedAverager:
         # other averager
         self._left_out_channel = mp.SimpleQueue()
         self._left_out_seen: set[bytes] = {peer.to_bytes() for peer in self._distrusted.peers}
+        # peers this one can vouch for (a round with them came back whole and kept their contributions, or their
+        # state was taken after its checks): their progress counts alone (robust.plausible_progress). Sent from the
+        # averager's process like those left out
+        self._vouched_channel = mp.SimpleQueue()
+        self._vouched_sent: set[PeerID] = set()  # in the averager's process
+        self._vouched_seen: set[bytes] = set()
+        # peers whose state was refused, skipped or timed out, and until when (time.monotonic(), in the averager's
+        # process) they are passed over by a download that may take any peer's state
+        self._cooling: dict[PeerID, float] = {}
         self._state_template: robust.StateTemplate | None = None  # what a downloaded state must match
         self._state_source: str | None = None  # the one peer (base58) to download it from; None: any
         # counted in its process, read in the one that made it
@@ -1131,6 +1157,18 @@ class GuardedAverager:
             self._distrusted.add(peer_id)
             self._left_out_channel.put(peer_id.to_bytes())
             logger.warning(f"peer {peer_id} is left out of this peer's averaging from now on: {why}")
+
+    def _vouch(self, peers) -> None:
+        for peer_id in peers:
+            if peer_id != self.peer_id and peer_id not in self._distrusted and peer_id not in self._vouched_sent:
+                self._vouched_sent.add(peer_id)
+                self._vouched_channel.put(peer_id.to_bytes())
+
+    def vouched_peers(self) -> set[bytes]:
+        """The peers (as bytes) this averager can vouch for so far, read in the process that made it."""
+        while not self._vouched_channel.empty():
+            self._vouched_seen.add(self._vouched_channel.get())
+        return self._vouched_seen
 
     def left_out_peers(self) -> set[bytes]:
         """The peers (as bytes) this averager has left out so far, read in the process that made it."""
@@ -1173,6 +1211,9 @@ class GuardedAverager:
         if runner.tensor_part_container.failed_size:  # hivemind kept this peer's own values for those parts
             with self._partial_rounds.get_lock():
                 self._partial_rounds.value += 1
+        # the round's peers, less those whose contributions were dropped or who were left out (a peer caught in it
+        # too), averaged with this one at its step
+        self._vouch(set(group_info.peer_ids) - runner.dropped_senders)
         self._state_updated.set()
 
     @property
@@ -1251,23 +1292,26 @@ class GuardedAverager:
                 ),
                 reverse=True,
             )
+            now = time.monotonic()
             for _, _, peer_bytes in ranked:
                 peer = PeerID(peer_bytes)
                 if peer == self.peer_id or peer in self._distrusted:
                     continue
                 if self._state_source is not None and peer.to_base58() != self._state_source:
                     continue
+                if self._state_source is None and self._cooling.get(peer, 0.0) > now:
+                    continue  # its state failed lately: not asked again until its cool-down ends
                 try:
                     state = await self._download_state_from(peer, chunk_timeout, template)
                 except Exception as e:
-                    logger.warning(f"could not download the training state from peer {peer}: {e!r}")
+                    self._cool_down(peer, f"could not download the training state from peer {peer}: {e!r}")
                     continue
                 if state is None:
                     continue  # that peer does not share its state
                 if template is not None and (
                     why := robust.step_out_of_range(state[0], template) or robust.state_cut_short(state[1], template)
                 ):
-                    logger.warning(f"skipped the training state of peer {peer}: {why}; trying the next peer")
+                    self._cool_down(peer, f"skipped the training state of peer {peer}: {why}; trying the next peer")
                     continue
                 problem = robust.state_problem(*state, template) if template is not None else None
                 if problem is not None:
@@ -1276,11 +1320,19 @@ class GuardedAverager:
                 logger.info(f"downloaded the training state from peer {peer}")
                 with self._states_downloaded.get_lock():
                     self._states_downloaded.value += 1
+                if template is not None:
+                    self._vouch([peer])  # its state passed every check: its step is the state's
                 future.set_result(state)
                 return
         finally:
             if not future.done():
                 future.set_result(None)
+
+    def _cool_down(self, peer: PeerID, why: str) -> None:
+        """Pass `peer` over for REFUSED_STATE_COOLDOWN seconds; `why` is logged once per cool-down."""
+        if self._cooling.get(peer, 0.0) <= time.monotonic():
+            logger.warning(f"{why} (not asked again for {REFUSED_STATE_COOLDOWN:.0f} s)")
+        self._cooling[peer] = time.monotonic() + REFUSED_STATE_COOLDOWN
 
     async def _download_state_from(self, peer: PeerID, chunk_timeout: float, template):
         """One peer's (metadata, tensors), or None if it shares nothing. With a template, a stream larger than the
@@ -1445,14 +1497,37 @@ class _ReportTrigger(threading.Event):
             super().set()
 
 
+def _claims_ahead(claims: dict, own_peer: bytes, own_epoch: int) -> dict[bytes, int]:
+    """From raw progress records: the other serving peers' steps above `own_epoch`, by peer id (bytes)."""
+    ahead = {}
+    for record in claims.values():
+        value = getattr(record, "value", None)
+        if not isinstance(value, dict) or value.get("client_mode") or value.get("peer_id") == own_peer:
+            continue
+        epoch, peer = value.get("epoch"), value.get("peer_id")
+        if isinstance(epoch, int) and isinstance(peer, bytes) and epoch > own_epoch:
+            ahead[peer] = epoch
+    return ahead
+
+
 class BoundedProgressTracker(ProgressTracker):
     """hivemind's progress tracker, reading the swarm's progress records through `robust.plausible_progress`: one
     peer's claims cannot move the swarm's step or fill its batch. Each distinct change is logged once."""
 
-    def __init__(self, *args, left_out: Callable[[], set[bytes]] = set, start: bool = False, **kwargs):
+    def __init__(
+        self,
+        *args,
+        left_out: Callable[[], set[bytes]] = set,
+        vouched: Callable[[], set[bytes]] = set,
+        start: bool = False,
+        **kwargs,
+    ):
         self._step_began = (None, time.monotonic())  # (global step, when this peer first saw it)
         self._noted: set[tuple[str, bytes]] = set()
-        self._left_out = left_out
+        self._left_out, self._vouched = left_out, vouched
+        # the other serving peers' steps above this peer's own at the last read (peer id bytes -> step), counted
+        # or not: a claim no other peer backs is one a trainer may check by asking for that peer's state
+        self.claims_ahead: dict[bytes, int] = {}
         self._epoch_updates = 0  # step changes so far (`update_epoch`)
         super().__init__(*args, start=False, **kwargs)
         self.should_report_progress = _ReportTrigger()  # before the reporter starts waiting on it
@@ -1511,6 +1586,7 @@ class BoundedProgressTracker(ProgressTracker):
     def _parse_swarm_progress_data(self, metadata):
         if isinstance(metadata, dict) and metadata:
             step, began = self._step_began
+            claims_ahead = _claims_ahead(metadata, self.dht.peer_id.to_bytes(), self.local_progress.epoch)
             metadata, notes = robust.plausible_progress(
                 metadata,
                 own_peer=self.dht.peer_id.to_bytes(),
@@ -1518,7 +1594,9 @@ class BoundedProgressTracker(ProgressTracker):
                 target=self.target_batch_size,
                 step_seconds=time.monotonic() - began,
                 left_out=self._left_out(),
+                vouched=self._vouched(),
             )
+            self.claims_ahead = claims_ahead
             for note, peer in notes:
                 kind = note.split(" of ")[0]  # once per peer and kind of change: claims repeat at every refresh
                 if (kind, peer) not in self._noted and len(self._noted) < 1000:
@@ -1530,6 +1608,28 @@ class BoundedProgressTracker(ProgressTracker):
         return progress
 
 
+DOWNLOAD_BACKOFF_MAX = 8  # refresh periods: the longest wait between two attempts at the swarm's state
+DOWNLOAD_BACKOFF_LOGGED = 4  # failures in a row after which the wait is logged once more
+
+
+class DownloadBackoff:
+    """When a peer may next try to download the swarm's state: after an attempt that brought none, after 2, 4 ..
+    DOWNLOAD_BACKOFF_MAX refresh periods (a period after one that did), never in a loop."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock, self.failures, self.next_at = clock, 0, -math.inf
+
+    def due(self) -> bool:
+        return self.clock() >= self.next_at
+
+    def done(self, taken: bool, period: float) -> float:
+        """Record an attempt's outcome; the seconds until the next attempt is due."""
+        self.failures = 0 if taken else self.failures + 1
+        wait = period * min(2**self.failures, DOWNLOAD_BACKOFF_MAX)
+        self.next_at = self.clock() + wait
+        return wait
+
+
 class GuardedOptimizer(hivemind.Optimizer):
     """hivemind.Optimizer whose state averager is guarded and robust, and whose progress tracker bounds claims; its
     gradient averager comes from `gradient_averager_factory`. `_make_state_averager` and `_make_progress_tracker`
@@ -1537,14 +1637,46 @@ class GuardedOptimizer(hivemind.Optimizer):
 
     def __init__(self, *args, gate=None, aggregation: robust.Aggregation = robust.Aggregation(), **kwargs):
         self._gate, self._aggregation = gate, aggregation
+        self.downloads = DownloadBackoff()
         super().__init__(*args, **kwargs)
 
-    def load_state_from_peers(self, **kwargs):
+    def _should_load_state_from_peers(self) -> bool:
+        # hivemind's answer first (it also clears its once-per-step check); then no more than the backoff allows
+        return super()._should_load_state_from_peers() and self.downloads.due()
+
+    def load_state_from_peers(self, **kwargs) -> bool:
+        """One attempt at hivemind's download of the training state (hivemind's own retries at once, forever, with
+        a traceback per failure), its outcome fed to `self.downloads`; whether a state was taken. The gradient
+        averager's state is not asked for: hivemind resets those buffers after a download anyway."""
         # a state from beyond the swarm's step (bounded by BoundedProgressTracker) is refused; a peer that has seen
         # no other peer yet has no step to hold it to
         seen_others = self.tracker.global_progress.num_peers > 1
         self.state_averager.state_step_ceiling = self.tracker.global_epoch + 1 if seen_others else None
-        return super().load_state_from_peers(**kwargs)
+        if self.scheduled_grads is not None and not self.scheduled_grads.done():
+            # a round this peer joined: it takes part with weight 0 rather than make the others match again
+            self._tag_along_with_zero_weight(self.scheduled_grads)
+            self.scheduled_grads = None
+        self.state_averager.step(wait_for_delayed_updates=True)
+        before = self.state_averager.states_downloaded
+        with self.tracker.pause_updates():
+            try:
+                self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
+            except TimeoutError:
+                logger.info(f"no peer sent its state within {self.load_state_timeout:.0f} s")
+            taken = self.state_averager.states_downloaded > before
+            wait = self.downloads.done(taken, self.tracker.max_refresh_period)
+            if not taken and self.downloads.failures in (1, DOWNLOAD_BACKOFF_LOGGED):
+                logger.info(f"no usable state from the swarm's peers: training on, next try in {wait:.0f} s or later")
+            if self.tracker.global_epoch - 1 <= self.local_epoch < self.tracker.global_epoch:
+                self.state_averager.local_epoch = self.tracker.global_epoch  # one step behind: catch up, as hivemind
+            self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
+            if not self.client_mode:
+                self.state_averager.state_sharing_priority = self.local_epoch
+            if self.use_gradient_averaging:
+                self.grad_averager.reset_accumulated_grads_()
+                if not self.client_mode:
+                    self.grad_averager.state_sharing_priority = self.local_epoch
+        return taken
 
     def _update_global_epoch(self, grad_scaler) -> None:
         # `_average_gradients_and_load_into_optimizer` may call off this step's parameter round; later steps keep it
@@ -1580,6 +1712,11 @@ class GuardedOptimizer(hivemind.Optimizer):
                 setattr(self, name, None)
         super().shutdown()
 
+    def _vouched_peers(self) -> set[bytes]:
+        averagers = (getattr(self, "state_averager", None), getattr(self, "grad_averager", None))
+        vouched = set().union(*(a.vouched_peers() for a in averagers if isinstance(a, GuardedAverager)))
+        return vouched - self._left_out_peers()
+
     def _left_out_peers(self) -> set[bytes]:
         # the tracker starts before the averagers: until they exist, nobody is left out
         averagers = (getattr(self, "state_averager", None), getattr(self, "grad_averager", None))
@@ -1592,6 +1729,7 @@ class GuardedOptimizer(hivemind.Optimizer):
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
         return BoundedProgressTracker(
             left_out=self._left_out_peers,
+            vouched=self._vouched_peers,
             dht=self.dht,
             prefix=self.run_id,
             target_batch_size=target_batch_size,
@@ -1922,10 +2060,11 @@ class DiLoCoOptimizer(GuardedOptimizer):
         self.finish_outer_round()  # its result lands in the tensors the download replaces
         if _matching(self.scheduled_grads):  # a group looked for ahead, not formed yet: this round is not made
             cancel_round(self.scheduled_grads)  # (hivemind's download joins a formed one with no weight, as it waits)
-        super().load_state_from_peers(**kwargs)
+        taken = super().load_state_from_peers(**kwargs)
         self.inner_step = self.round_samples = 0  # the model is the swarm's outer parameters: a new round
         self.round_began = time.monotonic()
         self.read_ahead_from = None  # which reads ahead of its outer round again
+        return taken
 
     def shutdown(self):
         # hivemind's shutdown leaves only `scheduled_grads`: a group looked for behind a round in flight is left too

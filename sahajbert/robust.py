@@ -150,8 +150,24 @@ def implausible(delta: torch.Tensor, scale: float) -> str | None:
 
 # ---- progress claims: what a peer may say about its share of the swarm's batch ----
 
+# other serving peers that must report a step above this peer's own before it counts, unless one of them is vouched
+# for (see plausible_progress): one peer's claim alone never moves the swarm's step
+CORROBORATING_PEERS = 2
 THROUGHPUT_FACTOR = 10.0  # a claimed samples/s above this many times the peers' median counts as this much
 SAMPLES_SLACK = 2.0  # a claimed count above twice what the (capped) throughput accumulates since the step began
+
+
+def _corroborated_step(own_epoch: int, others: list[tuple[int, bytes]], vouched: Collection[bytes]) -> int:
+    """The highest step this peer may follow, given the other serving peers' (step, peer id), highest first: at most
+    their lower median, and reported by CORROBORATING_PEERS of them or by one that is vouched for; else its own."""
+    if not others:
+        return own_epoch
+    median = others[len(others) // 2][0]
+    for epoch in sorted({epoch for epoch, _ in others if own_epoch < epoch <= median}, reverse=True):
+        backers = [peer for step, peer in others if step >= epoch]
+        if len(backers) >= CORROBORATING_PEERS or any(peer in vouched for peer in backers):
+            return epoch
+    return own_epoch
 
 
 def plausible_progress(
@@ -161,6 +177,7 @@ def plausible_progress(
     target: int,
     step_seconds: float,
     left_out: Collection[bytes] = (),
+    vouched: Collection[bytes] = (),
 ) -> tuple[dict, list[tuple[str, bytes]]]:
     """The progress records hivemind's tracker reads (subkey -> record with a dict `value`: peer_id, epoch,
     samples_accumulated, samples_per_second, client_mode), bounded; and (what was done, peer) for each claim changed
@@ -173,6 +190,10 @@ def plausible_progress(
       serving peers' steps: more than half of them must be there, so one peer cannot end or skip others' runs
       (a peer that joins a run in progress still follows them: all others are ahead). A claim one step ahead is
       the normal moment when some peers have finished a round and others not yet: it is left out without a note;
+    - and a step above this peer's own counts only when it is corroborated: CORROBORATING_PEERS other serving peers
+      report it (or more), or one of them is `vouched` for (this peer averaged with it in a round that came back
+      whole, or took a checked state from it). A lone claimant, such as a plain hivemind peer that trains alone
+      before the honest trainers start, moves neither the step they stop at nor the one they download;
     - with three peers or more a throughput over THROUGHPUT_FACTOR x the median is capped there, and a peer's
       samples toward the current step at SAMPLES_SLACK x what that throughput gives over `step_seconds` (since this
       peer saw the step begin), plus a share of the batch; never more than the batch.
@@ -192,18 +213,29 @@ def plausible_progress(
             continue
         records[subkey] = record
     others = sorted(
-        (r.value["epoch"] for r in records.values() if r.value["peer_id"] != own_peer and not r.value["client_mode"]),
+        (
+            (r.value["epoch"], r.value["peer_id"])
+            for r in records.values()
+            if r.value["peer_id"] != own_peer and not r.value["client_mode"]
+        ),
         reverse=True,
     )
-    ceiling = max(own_epoch, others[len(others) // 2]) if others else own_epoch
+    ceiling = _corroborated_step(own_epoch, others, vouched)
+    median = others[len(others) // 2][0] if others else own_epoch
     kept = {}
     for subkey, record in records.items():
-        if record.value["epoch"] <= ceiling:
+        epoch = record.value["epoch"]
+        if epoch <= ceiling:
             kept[subkey] = record
-        elif record.value["epoch"] > ceiling + 1:
+        elif epoch > ceiling + 1 and epoch > median:
+            notes.append(
+                (f"ignored a claim of step {epoch} (most peers are at {ceiling} or below)", record.value["peer_id"])
+            )
+        elif epoch > ceiling + 1:
             notes.append(
                 (
-                    f"ignored a claim of step {record.value['epoch']} (most peers are at {ceiling} or below)",
+                    f"ignored a claim of step {epoch} that no other peer backs (a peer that never averaged with this "
+                    f"one): training on at step {ceiling}",
                     record.value["peer_id"],
                 )
             )

@@ -102,6 +102,35 @@ class _GoneCaller(logging.Filter):
 _GONE_CALLER = _GoneCaller()
 
 
+class _RoutineErrors(logging.Filter):
+    """hivemind's errors that a user cannot act on become one INFO line, without a traceback, shown with --verbose
+    only: an averaging round that found no group or failed (hivemind's averager logs each with its traceback; the
+    trainer logs its own line per failed round, with what it does next), a state download hivemind retries (the
+    trainer says what it decided), and an averager asked to shut down twice at a stop."""
+
+    MESSAGES = ("Averaging step failed", "Failed to load state from peers", "Averager shutdown has no effect")
+    LOGGERS = ("hivemind.averaging.averager", "hivemind.optim.optimizer")
+
+    def __init__(self):
+        super().__init__()
+        self.verbose = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = str(record.msg)
+        failed_round = record.funcName == "_step" and record.exc_info is not None  # averager.py: logger.exception(e)
+        if not (failed_round or text.startswith(self.MESSAGES)):
+            return True
+        error = record.exc_info[1] if record.exc_info else None
+        first_line = (text % record.args if record.args else text).splitlines()[0]
+        record.msg = first_line if error is None or str(error) in first_line else f"{first_line} ({error!r})"
+        record.args, record.exc_info, record.exc_text = (), None, None
+        record.levelno, record.levelname = logging.INFO, "INFO"
+        return self.verbose
+
+
+_ROUTINE_ERRORS = _RoutineErrors()
+
+
 def quiet_hivemind(verbose: bool) -> None:
     """hivemind's INFO lines and start-up advice go to the terminal only with --verbose; warnings and errors always."""
     logging.getLogger("hivemind").setLevel(logging.INFO if verbose else logging.WARNING)
@@ -112,6 +141,10 @@ def quiet_hivemind(verbose: bool) -> None:
     dht_process = logging.getLogger("hivemind.dht.dht")
     dht_process.removeFilter(_GONE_CALLER)
     dht_process.addFilter(_GONE_CALLER)
+    _ROUTINE_ERRORS.verbose = verbose
+    for name in _RoutineErrors.LOGGERS:  # installed before the averagers' processes fork, which inherit it
+        logging.getLogger(name).removeFilter(_ROUTINE_ERRORS)
+        logging.getLogger(name).addFilter(_ROUTINE_ERRORS)
 
 
 def build_dht(

@@ -517,6 +517,8 @@ class TrainerPeer(SwarmPeer):
             compat.position(self.optimizer).swarm_step,
             metrics.fetch_announced_step(self.dht, self.args.swarm_args.run_id),
         )
+        if self.optimizer.local_epoch >= swarm_step and self._check_unbacked_claim():
+            return False
         if self.optimizer.local_epoch == swarm_step == 0:
             self._start_from_first_peer()
             return False
@@ -531,6 +533,23 @@ class TrainerPeer(SwarmPeer):
             f"{self.optimizer.local_epoch} with this peer's own optimizer state and retrying after every global step"
         )
         return True
+
+    def _check_unbacked_claim(self) -> bool:
+        """A peer alone in the run's records at a later step (a trainer that ran alone before this one came, or a
+        peer that only claims to be there): ask that peer for its state, checked as any download is. Taken, this
+        peer joins at its step (True), and its claims count from then on; else this peer trains on where it is."""
+        claims = compat.unbacked_claims(self.optimizer)
+        if not claims:
+            return False
+        peer, step = max(claims.items(), key=lambda claim: claim[1])
+        if compat.take_state_of(self.optimizer, peer, step, self.timing.load_state_timeout):
+            logger.info(f"joined at global step {self.optimizer.local_epoch}, from the state of peer {peer}")
+            return True
+        logger.warning(
+            f"peer {peer} alone claims global step {step}, and its state was not usable: training on from step "
+            f"{self.optimizer.local_epoch} with the peers this one can check"
+        )
+        return False
 
     def _wait_for_starting_trainers(self) -> None:
         """Before a new run's first global step: trainers that started with this one but still download its

@@ -36,6 +36,7 @@ MODULE_SECONDS = {
     "test_diloco": 110,
     "test_training_parts": 90,
     "test_finetune": 75,
+    "test_outsider": 140,
 }
 
 

@@ -144,11 +144,50 @@ def test_one_peer_cannot_move_the_swarm_step():
     claims = {b"new": record(b"new", 0), b"b": record(b"b", 50), b"c": record(b"c", 50)}
     kept, _ = plausible_progress(claims, own_peer=b"new", own_epoch=0, target=96, step_seconds=1.0)
     assert set(kept) == {b"new", b"b", b"c"}
-    # and so does a peer whose one other peer is ahead (two peers cannot outvote each other)
-    kept, _ = plausible_progress(
-        {b"a": record(b"a", 0), b"b": record(b"b", 7)}, own_peer=b"a", own_epoch=0, target=96, step_seconds=1.0
-    )
+    # and so does a peer whose one other peer is ahead, once it vouches for it (it averaged with it, or took its
+    # checked state): two peers cannot outvote each other
+    claims = {b"a": record(b"a", 0), b"b": record(b"b", 7)}
+    kept, _ = plausible_progress(claims, own_peer=b"a", own_epoch=0, target=96, step_seconds=1.0, vouched={b"b"})
     assert set(kept) == {b"a", b"b"}
+
+
+def test_a_lone_claimant_moves_no_step_until_another_peer_backs_it_or_it_is_vouched_for():
+    # a plain hivemind peer that trained alone before this one started: its step is not the swarm's
+    claims = {b"a": record(b"a", 0), b"x": record(b"x", 7)}
+    kept, notes = plausible_progress(claims, own_peer=b"a", own_epoch=0, target=96, step_seconds=1.0)
+    assert set(kept) == {b"a"}
+    assert notes == [
+        (
+            "ignored a claim of step 7 that no other peer backs (a peer that never averaged with this one): "
+            "training on at step 0",
+            b"x",
+        )
+    ]
+    # also from its first record, however far, and also beside an honest peer at this peer's step
+    claims = {b"a": record(b"a", 2), b"b": record(b"b", 2), b"x": record(b"x", 1000)}
+    kept, _ = plausible_progress(claims, own_peer=b"a", own_epoch=2, target=96, step_seconds=1.0)
+    assert set(kept) == {b"a", b"b"}
+    # two peers that report it corroborate a step (a newcomer follows a run of two trainers at once) ...
+    claims = {b"a": record(b"a", 0), b"b": record(b"b", 7), b"c": record(b"c", 7)}
+    kept, _ = plausible_progress(claims, own_peer=b"a", own_epoch=0, target=96, step_seconds=1.0)
+    assert set(kept) == {b"a", b"b", b"c"}
+    # ... up to the step both report
+    claims[b"c"] = record(b"c", 20)
+    kept, _ = plausible_progress(claims, own_peer=b"a", own_epoch=0, target=96, step_seconds=1.0)
+    assert set(kept) == {b"a", b"b"}
+    # a vouched peer's step counts alone, but still never above the others' lower median
+    claims = {b"a": record(b"a", 3), b"b": record(b"b", 3), b"v": record(b"v", 9)}
+    kept, _ = plausible_progress(claims, own_peer=b"a", own_epoch=3, target=96, step_seconds=1.0, vouched={b"v"})
+    assert set(kept) == {b"a", b"b"}
+    kept, _ = plausible_progress(
+        {b"a": record(b"a", 3), b"v": record(b"v", 9)},
+        own_peer=b"a",
+        own_epoch=3,
+        target=96,
+        step_seconds=1.0,
+        vouched={b"v"},
+    )
+    assert set(kept) == {b"a", b"v"}
 
 
 def test_a_left_out_peer_adds_nothing_to_the_swarm_progress():
@@ -574,3 +613,20 @@ def test_a_part_of_another_shape_is_dropped(misshapen):
     assert torch.allclose(result, torch.stack(good).mean(0), atol=1e-6) and ours.dropped == {2}
     _, control = asyncio.run(reduce(lambda: TensorPartReducer([torch.Size([4])], 3)))
     assert isinstance(control, BaseException) or not torch.allclose(control, torch.stack(good).mean(0))
+
+
+def test_state_downloads_back_off_after_failures_and_never_loop():
+    from sahajbert.hivemind_compat import DOWNLOAD_BACKOFF_MAX, DownloadBackoff
+
+    now = [0.0]
+    downloads = DownloadBackoff(clock=lambda: now[0])
+    assert downloads.due()
+    waits = [downloads.done(False, period=2.0) for _ in range(6)]
+    assert waits == [4.0, 8.0, 16.0, 2.0 * DOWNLOAD_BACKOFF_MAX, 2.0 * DOWNLOAD_BACKOFF_MAX, 16.0]
+    assert not downloads.due()
+    now[0] += 15.9
+    assert not downloads.due()
+    now[0] += 0.1
+    assert downloads.due()
+    # a download that brought a state: the next one may come after one refresh period
+    assert downloads.done(True, period=2.0) == 2.0 and downloads.failures == 0

@@ -5,6 +5,7 @@ does (exit code, stderr). The cases about processes and signals run the real scr
 """
 
 import json
+import logging
 import os
 import re
 import runpy
@@ -476,3 +477,36 @@ def test_the_wait_for_a_batch_ends_on_a_stop_request():
     assert time.monotonic() - started < 5
     release.set()
     batches.close()
+
+
+def test_hivemind_errors_a_user_cannot_act_on_are_one_line_shown_only_with_verbose():
+    from sahajbert.swarm import _ROUTINE_ERRORS, _RoutineErrors, quiet_hivemind
+
+    shown: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = shown.append
+    averager = logging.getLogger("hivemind.averaging.averager")
+    averager.addHandler(handler)
+
+    def _step():  # the name of hivemind's averager routine that logs a failed round with its traceback
+        try:
+            raise RuntimeError("Averaging step failed: could not find a group")
+        except RuntimeError as e:
+            averager.exception(e)
+
+    try:
+        for verbose in (False, True):
+            quiet_hivemind(verbose)
+            _step()
+            averager.error("Averager shutdown has no effect: the process is already not alive", exc_info=True)
+        averager.error("a real problem")
+    finally:
+        averager.removeHandler(handler)
+        quiet_hivemind(False)
+        for name in _RoutineErrors.LOGGERS:
+            logging.getLogger(name).removeFilter(_ROUTINE_ERRORS)
+    assert [(r.levelname, r.getMessage(), r.exc_info) for r in shown] == [
+        ("INFO", "Averaging step failed: could not find a group", None),
+        ("INFO", "Averager shutdown has no effect: the process is already not alive", None),
+        ("ERROR", "a real problem", None),
+    ]

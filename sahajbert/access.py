@@ -143,9 +143,20 @@ def add_invite(path: Path, name: str) -> Invite:
     if path.exists() and name in read_allowlist(path):
         raise UserError(f"'{name}' is already in {path}")
     invite = Invite(name, secrets.token_urlsafe(18))
-    with open(path, "a", encoding="utf-8") as f:
+    # the secrets are for their owner only: created 0600, and a file made readable to others before is closed again
+    with open(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, PRIVATE_MODE), "a", encoding="utf-8") as f:
+        os.fchmod(f.fileno(), PRIVATE_MODE)
         f.write(f"{invite.name} {invite.secret}\n")
     return invite
+
+
+PRIVATE_MODE = 0o600  # invites and identity keys: read and written by their owner only
+
+
+def new_identity(path: str) -> None:
+    """A new peer identity (private key) at `path`, readable by its owner only."""
+    P2P.generate_identity(path)
+    os.chmod(path, PRIVATE_MODE)
 
 
 class Allowlist:
@@ -380,12 +391,12 @@ def ensure_identity(swarm_args: SwarmArguments) -> SwarmArguments:
     --identity_path, a fresh identity in a temporary file (removed at exit)."""
     if swarm_args.identity_path is not None:
         if not os.path.exists(swarm_args.identity_path):
-            P2P.generate_identity(swarm_args.identity_path)
+            new_identity(swarm_args.identity_path)
         return swarm_args
     handle, path = tempfile.mkstemp(prefix="sahajbert-identity-")
     os.close(handle)
     os.unlink(path)
-    P2P.generate_identity(path)
+    new_identity(path)
     atexit.register(lambda: os.path.exists(path) and os.unlink(path))
     return dataclasses.replace(swarm_args, identity_path=path)
 

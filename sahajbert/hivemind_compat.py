@@ -673,6 +673,14 @@ def partial_rounds(optimizer: hivemind.Optimizer) -> int:
     return optimizer.state_averager.partial_rounds
 
 
+def state_taken(optimizer: hivemind.Optimizer) -> None:
+    """After `take_state_of` brought a state: report this peer's new step, and let a download be due again only a
+    refresh period later (hivemind's check that this peer is in sync would otherwise download it once more)."""
+    report_step(optimizer, optimizer.local_epoch)
+    if isinstance(optimizer, GuardedOptimizer):
+        optimizer.downloads.done(True, optimizer.tracker.max_refresh_period)
+
+
 def take_state_of(optimizer: hivemind.Optimizer, peer_id: str, step: int, timeout: float) -> bool:
     """Download the training state (parameters included) at global step `step` from peer `peer_id` (base58) alone
     and take it, waiting at most `timeout` seconds; whether it came."""
@@ -897,6 +905,8 @@ class RobustTensorPartReducer(TensorPartReducer):
         self.own_sender = own_sender  # this peer's index among the senders (None: it sends nothing, an aux peer)
         self.dropped: set[int] = set()  # senders with a non-finite contribution, by index
         self.outliers: set[int] = set()  # senders with a contribution far out of the others' range, by index
+        self.senders: set[int] = set()  # senders that sent this peer a part to reduce, by index
+        self.rejected: set[int] = set()  # `dropped` of this round, kept after the runner has logged and cleared it
         super().__init__(part_shapes, num_senders)
 
     def reset_accumulators(self) -> None:
@@ -910,6 +920,7 @@ class RobustTensorPartReducer(TensorPartReducer):
         if 0 <= part_index < self.num_parts and tensor_part.shape != self.part_shapes[part_index]:
             tensor_part = torch.full(self.part_shapes[part_index], float("nan"))
         tensor_part.sahajbert_sender = sender_index  # read by RobustAccumulator.add_, after hivemind's waits
+        self.senders.add(sender_index)
         return await super().accumulate_part(sender_index, part_index, tensor_part, weight=weight)
 
 
@@ -960,10 +971,18 @@ class RobustAllReduceRunner(AllReduceRunner):
     - peers in `distrusted` are left out: their contributions are not awaited and their averages not asked for.
     """
 
-    def __init__(self, *args, aggregation: robust.Aggregation, distrusted: set[PeerID], distrust, **kwargs):
+    def __init__(
+        self,
+        *args,
+        aggregation: robust.Aggregation,
+        distrusted: set[PeerID],
+        distrust,
+        vouch=lambda peers: None,
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
         self.distrusted, self.distrust = distrusted, distrust
-        self.dropped_senders: set[PeerID] = set()  # whose contributions this peer's reducer dropped as non-finite
+        self.vouch = vouch
         # the reducer hivemind made never runs: marked finished, it does not warn of 0% received when collected
         self.tensor_part_reducer.finished.set()
         own_sender = self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else None
@@ -1002,6 +1021,7 @@ class RobustAllReduceRunner(AllReduceRunner):
                     f"values for that peer's parts",
                 )
                 raise AllreduceException(f"{peer_id} returned an implausible average ({why})")
+            self.vouch([peer_id])  # its average of this peer's part passed the checks
         self._register(peer_index, part_index, delta)
 
     async def _communicate_with_peer(self, peer_id: PeerID):
@@ -1012,10 +1032,7 @@ class RobustAllReduceRunner(AllReduceRunner):
 
     def finalize(self, *, cancel: bool = False, exception: BaseException | None = None):
         reducer = self.tensor_part_reducer
-        # kept for the averager, which vouches for the round's other peers: not for these
-        self.dropped_senders |= {
-            self.sender_peer_ids[i] for i in reducer.dropped if 0 <= i < len(self.sender_peer_ids)
-        }
+        reducer.rejected |= reducer.dropped
         for what, senders in (
             ("non-finite or misshapen", reducer.dropped),
             ("outlying", reducer.outliers - reducer.dropped),
@@ -1164,6 +1181,16 @@ class GuardedAverager:
                 self._vouched_sent.add(peer_id)
                 self._vouched_channel.put(peer_id.to_bytes())
 
+    async def _vouch_for_senders(self, runner: "RobustAllReduceRunner") -> None:
+        """Once this peer has reduced its parts of a round: vouch for the senders whose contributions it kept."""
+        reducer = runner.tensor_part_reducer
+        try:
+            await asyncio.wait_for(reducer.finished.wait(), timeout=self._allreduce_timeout or SERVING_WAIT_UNTIMED)
+        except asyncio.TimeoutError:
+            return
+        kept = reducer.senders - reducer.rejected - reducer.dropped
+        self._vouch(runner.sender_peer_ids[i] for i in kept if 0 <= i < len(runner.sender_peer_ids))
+
     def vouched_peers(self) -> set[bytes]:
         """The peers (as bytes) this averager can vouch for so far, read in the process that made it."""
         while not self._vouched_channel.empty():
@@ -1198,9 +1225,11 @@ class GuardedAverager:
             aggregation=self.aggregation,
             distrusted=self._distrusted,
             distrust=self._distrust,
+            vouch=self._vouch,
             **kwargs,
         )
         self._running_groups[group_id].set_result(runner)
+        runner.vouching = asyncio.create_task(self._vouch_for_senders(runner))  # referenced while the round runs
         if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
             async for _ in runner:
                 raise ValueError("an auxiliary peer receives no averages")
@@ -1211,9 +1240,7 @@ class GuardedAverager:
         if runner.tensor_part_container.failed_size:  # hivemind kept this peer's own values for those parts
             with self._partial_rounds.get_lock():
                 self._partial_rounds.value += 1
-        # the round's peers, less those whose contributions were dropped or who were left out (a peer caught in it
-        # too), averaged with this one at its step
-        self._vouch(set(group_info.peer_ids) - runner.dropped_senders)
+
         self._state_updated.set()
 
     @property
@@ -1587,6 +1614,12 @@ class BoundedProgressTracker(ProgressTracker):
         if isinstance(metadata, dict) and metadata:
             step, began = self._step_began
             claims_ahead = _claims_ahead(metadata, self.dht.peer_id.to_bytes(), self.local_progress.epoch)
+            last = getattr(self, "global_progress", None)  # the last read's view (none before the first)
+            batch_full = (
+                last is not None
+                and last.epoch == self.local_progress.epoch
+                and last.samples_accumulated >= self.target_batch_size / 2
+            )
             metadata, notes = robust.plausible_progress(
                 metadata,
                 own_peer=self.dht.peer_id.to_bytes(),
@@ -1595,13 +1628,17 @@ class BoundedProgressTracker(ProgressTracker):
                 step_seconds=time.monotonic() - began,
                 left_out=self._left_out(),
                 vouched=self._vouched(),
+                batch_full=batch_full,
             )
             self.claims_ahead = claims_ahead
             for note, peer in notes:
                 kind = note.split(" of ")[0]  # once per peer and kind of change: claims repeat at every refresh
                 if (kind, peer) not in self._noted and len(self._noted) < 1000:
                     self._noted.add((kind, peer))
-                    logger.warning(f"swarm progress: {note}, from peer {_peer_name(peer)}; further ones not logged")
+                    # a claim no other peer backs is also how a trainer that ran alone looks to a newcomer: the
+                    # trainer logs what it decides (it asks that peer for its state once)
+                    level = logging.INFO if robust.UNBACKED in note else logging.WARNING
+                    logger.log(level, f"swarm progress: {note}, from peer {_peer_name(peer)}; further ones not logged")
         progress = super()._parse_swarm_progress_data(metadata)
         if progress.epoch != self._step_began[0]:
             self._step_began = (progress.epoch, time.monotonic())
@@ -2061,9 +2098,10 @@ class DiLoCoOptimizer(GuardedOptimizer):
         if _matching(self.scheduled_grads):  # a group looked for ahead, not formed yet: this round is not made
             cancel_round(self.scheduled_grads)  # (hivemind's download joins a formed one with no weight, as it waits)
         taken = super().load_state_from_peers(**kwargs)
-        self.inner_step = self.round_samples = 0  # the model is the swarm's outer parameters: a new round
-        self.round_began = time.monotonic()
-        self.read_ahead_from = None  # which reads ahead of its outer round again
+        if taken:
+            self.inner_step = self.round_samples = 0  # the model is the swarm's outer parameters: a new round
+            self.round_began = time.monotonic()
+            self.read_ahead_from = None  # which reads ahead of its outer round again
         return taken
 
     def shutdown(self):

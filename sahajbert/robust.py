@@ -153,16 +153,22 @@ def implausible(delta: torch.Tensor, scale: float) -> str | None:
 # other serving peers that must report a step above this peer's own before it counts, unless one of them is vouched
 # for (see plausible_progress): one peer's claim alone never moves the swarm's step
 CORROBORATING_PEERS = 2
+UNBACKED = "that no other peer backs"  # in the note on such a claim
 THROUGHPUT_FACTOR = 10.0  # a claimed samples/s above this many times the peers' median counts as this much
 SAMPLES_SLACK = 2.0  # a claimed count above twice what the (capped) throughput accumulates since the step began
 
 
-def _corroborated_step(own_epoch: int, others: list[tuple[int, bytes]], vouched: Collection[bytes]) -> int:
+def _corroborated_step(
+    own_epoch: int, others: list[tuple[int, bytes]], vouched: Collection[bytes], batch_full: bool
+) -> int:
     """The highest step this peer may follow, given the other serving peers' (step, peer id), highest first: at most
-    their lower median, and reported by CORROBORATING_PEERS of them or by one that is vouched for; else its own."""
+    their lower median, and reported by CORROBORATING_PEERS of them or by one that is vouched for; else its own, or
+    one more when `batch_full` (this peer's own count of the step's samples backs the next step)."""
     if not others:
         return own_epoch
     median = others[len(others) // 2][0]
+    if batch_full and median > own_epoch:
+        own_epoch += 1
     for epoch in sorted({epoch for epoch, _ in others if own_epoch < epoch <= median}, reverse=True):
         backers = [peer for step, peer in others if step >= epoch]
         if len(backers) >= CORROBORATING_PEERS or any(peer in vouched for peer in backers):
@@ -178,6 +184,7 @@ def plausible_progress(
     step_seconds: float,
     left_out: Collection[bytes] = (),
     vouched: Collection[bytes] = (),
+    batch_full: bool = False,
 ) -> tuple[dict, list[tuple[str, bytes]]]:
     """The progress records hivemind's tracker reads (subkey -> record with a dict `value`: peer_id, epoch,
     samples_accumulated, samples_per_second, client_mode), bounded; and (what was done, peer) for each claim changed
@@ -193,7 +200,9 @@ def plausible_progress(
     - and a step above this peer's own counts only when it is corroborated: CORROBORATING_PEERS other serving peers
       report it (or more), or one of them is `vouched` for (this peer averaged with it in a round that came back
       whole, or took a checked state from it). A lone claimant, such as a plain hivemind peer that trains alone
-      before the honest trainers start, moves neither the step they stop at nor the one they download;
+      before the honest trainers start, moves neither the step they stop at nor the one they download. One step
+      more is followed on one peer's word when `batch_full`: this peer's last read counted the step's batch (at
+      least half of it), so another peer may well have started the next step's round;
     - with three peers or more a throughput over THROUGHPUT_FACTOR x the median is capped there, and a peer's
       samples toward the current step at SAMPLES_SLACK x what that throughput gives over `step_seconds` (since this
       peer saw the step begin), plus a share of the batch; never more than the batch.
@@ -212,15 +221,12 @@ def plausible_progress(
             notes.append(("did not count the progress of a peer left out of this peer's averaging", value["peer_id"]))
             continue
         records[subkey] = record
-    others = sorted(
-        (
-            (r.value["epoch"], r.value["peer_id"])
-            for r in records.values()
-            if r.value["peer_id"] != own_peer and not r.value["client_mode"]
-        ),
-        reverse=True,
-    )
-    ceiling = _corroborated_step(own_epoch, others, vouched)
+    steps = {}  # each other serving peer's highest step: one peer is one voice, however many records it wrote
+    for r in records.values():
+        if r.value["peer_id"] != own_peer and not r.value["client_mode"]:
+            steps[r.value["peer_id"]] = max(r.value["epoch"], steps.get(r.value["peer_id"], 0))
+    others = sorted(((epoch, peer) for peer, epoch in steps.items()), reverse=True)
+    ceiling = _corroborated_step(own_epoch, others, vouched, batch_full)
     median = others[len(others) // 2][0] if others else own_epoch
     kept = {}
     for subkey, record in records.items():
@@ -234,8 +240,8 @@ def plausible_progress(
         elif epoch > ceiling + 1:
             notes.append(
                 (
-                    f"ignored a claim of step {epoch} that no other peer backs (a peer that never averaged with this "
-                    f"one): training on at step {ceiling}",
+                    f"ignored a claim of step {epoch} {UNBACKED}: training on at step {ceiling} unless its state "
+                    "checks out",
                     record.value["peer_id"],
                 )
             )

@@ -4,9 +4,11 @@ import dataclasses
 import errno
 import ipaddress
 import logging
+import os
 import re
 import socket
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,12 +118,16 @@ class _RoutineErrors(logging.Filter):
         self.verbose = False
 
     def filter(self, record: logging.LogRecord) -> bool:
-        text = str(record.msg)
-        failed_round = record.funcName == "_step" and record.exc_info is not None  # averager.py: logger.exception(e)
-        if not (failed_round or text.startswith(self.MESSAGES)):
+        # averager.py's `_step` and `_aggregate_with_group` log a failed round as logger.exception(e)
+        failed_round = record.funcName in ("_step", "_aggregate_with_group") and record.exc_info is not None
+        if not (failed_round or str(record.msg).startswith(self.MESSAGES)):
             return True
         error = record.exc_info[1] if record.exc_info else None
-        first_line = (text % record.args if record.args else text).splitlines()[0]
+        try:
+            lines = record.getMessage().splitlines()
+        except Exception:  # a message its arguments do not fit: the error names it
+            lines = []
+        first_line = lines[0] if lines else repr(error)
         record.msg = first_line if error is None or str(error) in first_line else f"{first_line} ({error!r})"
         record.args, record.exc_info, record.exc_text = (), None, None
         record.levelno, record.levelname = logging.INFO, "INFO"
@@ -142,6 +148,9 @@ def quiet_hivemind(verbose: bool) -> None:
     dht_process.removeFilter(_GONE_CALLER)
     dht_process.addFilter(_GONE_CALLER)
     _ROUTINE_ERRORS.verbose = verbose
+    # hivemind moves the LR schedule to a downloaded state's step before this peer's first optimizer step: torch
+    # warns of a skipped first value, but the schedule is where the swarm's step puts it
+    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`")
     for name in _RoutineErrors.LOGGERS:  # installed before the averagers' processes fork, which inherit it
         logging.getLogger(name).removeFilter(_ROUTINE_ERRORS)
         logging.getLogger(name).addFilter(_ROUTINE_ERRORS)
@@ -155,6 +164,8 @@ def build_dht(
     `authorizer`: an invite-only run's sahajbert.access.InviteAuthorizer (see `admission`)."""
     peers = validate_initial_peers(swarm_args.initial_peers if initial_peers is None else initial_peers)
     check_identity_path(swarm_args.identity_path)
+    if swarm_args.identity_path is not None and not os.path.exists(swarm_args.identity_path):
+        access.new_identity(swarm_args.identity_path)  # made here, not by hivemind, so that it is private (0600)
     check_ports_free(swarm_args.host_maddrs)
     quiet_hivemind(swarm_args.verbose)
     relays = relays_of(swarm_args, peers)

@@ -542,7 +542,16 @@ class TrainerPeer(SwarmPeer):
         if not claims:
             return False
         peer, step = max(claims.items(), key=lambda claim: claim[1])
-        if compat.take_state_of(self.optimizer, peer, step, self.timing.load_state_timeout):
+        max_steps = self.args.training_args.max_steps
+        if max_steps is not None and step >= max_steps:
+            logger.warning(
+                f"peer {peer} alone claims global step {step}, at or past this run's last ({max_steps}): a run's end "
+                f"is never taken from one peer; training on from step {self.optimizer.local_epoch}"
+            )
+            return False
+        # one step more than claimed: a trainer alone may have stepped since the claim was read
+        if compat.take_state_of(self.optimizer, peer, step + 1, self.timing.load_state_timeout):
+            compat.state_taken(self.optimizer)
             logger.info(f"joined at global step {self.optimizer.local_epoch}, from the state of peer {peer}")
             return True
         logger.warning(

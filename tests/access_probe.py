@@ -118,10 +118,19 @@ async def link_probe(p2p: P2P, peer: PeerID) -> bool:
         return False
 
 
-async def rpcs(p2p: P2P, first: PeerID, trainer: PeerID, run_id: str, request) -> dict:
+async def answered(call, tries: int) -> bool:
+    """Whether one of `tries` calls of `call()` was answered: a member's call may time out on a busy machine (an
+    outsider's is refused every time)."""
+    for _ in range(tries):
+        if await call():
+            return True
+    return False
+
+
+async def rpcs(p2p: P2P, first: PeerID, trainer: PeerID, run_id: str, request, tries: int = 1) -> dict:
     return {
-        "dht_ping": await ping(p2p, first, request),
-        "link_probe": await link_probe(p2p, trainer),
+        "dht_ping": await answered(lambda: ping(p2p, first, request), tries),
+        "link_probe": await answered(lambda: link_probe(p2p, trainer), tries),
         "download_state": await download_state(p2p, trainer, run_id),
         "join_group": await join_group(p2p, trainer, run_id),
         "send_part": await send_part(p2p, trainer, run_id),
@@ -187,14 +196,20 @@ def member(args) -> dict:
         async def direct():
             p2p = await dht.replicate_p2p()
             request = signed(ping_request(p2p), token, key)
-            results = await rpcs(p2p, first, trainer, args.run_id, request)
+            results = await rpcs(p2p, first, trainer, args.run_id, request, tries=3)
             results["replayed_ping"] = await ping(p2p, first, request)  # the very same signed request again
             return results
 
         time.sleep(args.settle)  # the members' records reach the trainer's averagers
         found["member"] = asyncio.run(direct())
         found.update(asyncio.run(as_outsiders(args.first, first, trainer, args.run_id, token)))
-        found["member_reads_metrics"] = dht.get(metrics.metrics_key(args.run_id), latest=True) is not None
+        # the trainers publish metrics after each global step, and a record may lapse between them on a busy machine
+        deadline = time.monotonic() + 60
+        while (metrics_found := dht.get(metrics.metrics_key(args.run_id), latest=True)) is None:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(1.0)
+        found["member_reads_metrics"] = metrics_found is not None
         found["intruder_key_in_swarm"] = dht.get(f"{args.run_id}_intruder", latest=True) is not None
         found["token_expires_in"] = access.token_expiry(token) - get_dht_time()
     finally:

@@ -87,7 +87,9 @@ class Attacker(trainer.TrainerPeer):
         found = self.dht.get(f"{self.args.swarm_args.run_id}_progress", latest=True)
         records = found.value if found is not None and isinstance(found.value, dict) else {}
         own = self.dht.peer_id.to_bytes()
-        return 1 + sum(1 for record in records.values() if getattr(record, "value", {}).get("peer_id") != own)
+        # a peer that stopped leaves a record of None
+        values = [getattr(record, "value", None) or {} for record in records.values()]
+        return 1 + sum(1 for value in values if value.get("peer_id") != own)
 
     def phase(self) -> tuple[str, bool]:
         """The phase now: what the phase file holds, or each planned phase for its number of gradient rounds."""

@@ -143,7 +143,7 @@ def test_invite_only_run(tmp_path, capsys):
 
         # a member reaches everything: the DHT, the state, the averagers' matchmaking and all-reduce
         member = found["member"]
-        assert member["dht_ping"] and found["member_reads_metrics"] and member["link_probe"]
+        assert member["dht_ping"] and found["member_reads_metrics"] and member["link_probe"], found
         assert member["download_state"] > 0
         assert member["join_group"] in ("NOT_LOOKING_FOR_GROUP", "BAD_SCHEMA_HASH"), member
         # a part for a group that does not exist: hivemind looks it up (at once, or after its next group forms)
@@ -194,3 +194,18 @@ def test_invite_only_run(tmp_path, capsys):
     finally:
         for peer in reversed(peers):
             peer.stop()
+
+
+def test_invites_and_identity_keys_are_readable_by_their_owner_only(tmp_path):
+    from sahajbert.access import new_identity
+
+    invites = tmp_path / "invites.txt"
+    invites.write_text("")
+    invites.chmod(0o644)  # made readable to others before: closed again at the next invite
+    add_invite(invites, "alice")
+    key = tmp_path / "peer.key"
+    new_identity(str(key))
+    assert [oct(path.stat().st_mode & 0o777) for path in (invites, key)] == ["0o600", "0o600"]
+    fresh = tmp_path / "fresh.txt"
+    add_invite(fresh, "bob")
+    assert oct(fresh.stat().st_mode & 0o777) == "0o600" and "bob " in fresh.read_text()

@@ -14,7 +14,9 @@ from .swarm_helpers import final_step, first_peer, fixed_batch_loss, quiet, scri
 
 pytestmark = pytest.mark.slow
 
-STEPS = 6
+# the run had 6 steps; 10 leave a late plain peer (10-20 s to start on a busy machine) time to join while the
+# honest trainers still train
+STEPS = 10
 HONEST = ["--target_batch_size", "96", "--per_device_train_batch_size", "8", "--max_steps", str(STEPS)]
 # a trainer downloads a state when it joins (at most one per peer it tries) and when it falls behind: a few in a run
 # of 6 steps; the bug this guards against made one per pass (98 in a minute)
@@ -54,6 +56,12 @@ def test_honest_trainers_reach_their_last_step_together_beside_a_plain_peer_that
         late = plain_peer(tmp_path, "late", run_id, initial_peers, "--claim_epoch", "1000")
         peers.append(late)
         late_id = peer_id(late)
+        assert all(peer.running() for peer in honest), "the honest trainers ended before the late plain peer came"
+        wait_for(
+            lambda: all(late_id in peer.output() or not peer.running() for peer in honest),
+            120,
+            "the honest trainers to see the late plain peer's claim",
+        )
         for peer in honest:
             assert peer.wait(400) == 0, peer.output()[-3000:]
     finally:

@@ -35,7 +35,9 @@ def main(argv=None) -> int:
         checks = run_checks(peer_args)
         print("\n".join(check.line() for check in checks), flush=True)
         failed = [check.name for check in checks if check.status == "fail"]
-        summary = f"{len(checks) - len(failed)}/{len(checks)} checks passed"
+        warned = [check.name for check in checks if check.status == "warn"]
+        summary = f"{len(checks) - len(failed) - len(warned)}/{len(checks)} checks passed"
+        summary += f"; {len(warned)} with a warning: {', '.join(warned)}" if warned else ""
         print(summary + (f"; failed: {', '.join(failed)}" if failed else ""), flush=True)
         return 1 if failed else 0
     from sahajbert.trainer import train  # heavy imports after parsing, so --help and bad flags answer at once

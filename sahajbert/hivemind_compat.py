@@ -49,6 +49,7 @@ from hivemind.utils.timed_storage import TimedStorage, ValueWithExpiration
 
 from sahajbert import robust
 from sahajbert.arguments import MAX_RECORD_LIFETIME
+from sahajbert.signals import StopNow
 
 logger = logging.getLogger(__name__)
 
@@ -1626,8 +1627,7 @@ class BoundedProgressTracker(ProgressTracker):
                 own_epoch=self.local_progress.epoch,
                 target=self.target_batch_size,
                 step_seconds=time.monotonic() - began,
-                left_out=self._left_out(),
-                vouched=self._vouched(),
+                standing=robust.Standing(left_out=self._left_out(), vouched=self._vouched()),
                 batch_full=batch_full,
             )
             self.claims_ahead = claims_ahead
@@ -1700,6 +1700,10 @@ class GuardedOptimizer(hivemind.Optimizer):
                 self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
             except TimeoutError:
                 logger.info(f"no peer sent its state within {self.load_state_timeout:.0f} s")
+            except StopNow:
+                raise
+            except Exception as e:  # hivemind retried any error at once, forever: one line, and the backoff
+                logger.warning(f"a state download failed ({e!r}): training on")
             taken = self.state_averager.states_downloaded > before
             wait = self.downloads.done(taken, self.tracker.max_refresh_period)
             if not taken and self.downloads.failures in (1, DOWNLOAD_BACKOFF_LOGGED):

@@ -158,6 +158,14 @@ THROUGHPUT_FACTOR = 10.0  # a claimed samples/s above this many times the peers'
 SAMPLES_SLACK = 2.0  # a claimed count above twice what the (capped) throughput accumulates since the step began
 
 
+@dataclass(frozen=True)
+class Standing:
+    """What a peer knows of the others (peer ids as bytes): those its averagers left out, and those it vouches for."""
+
+    left_out: Collection[bytes] = ()
+    vouched: Collection[bytes] = ()
+
+
 def _corroborated_step(
     own_epoch: int, others: list[tuple[int, bytes]], vouched: Collection[bytes], batch_full: bool
 ) -> int:
@@ -182,8 +190,7 @@ def plausible_progress(
     own_epoch: int,
     target: int,
     step_seconds: float,
-    left_out: Collection[bytes] = (),
-    vouched: Collection[bytes] = (),
+    standing: Standing = None,
     batch_full: bool = False,
 ) -> tuple[dict, list[tuple[str, bytes]]]:
     """The progress records hivemind's tracker reads (subkey -> record with a dict `value`: peer_id, epoch,
@@ -207,6 +214,8 @@ def plausible_progress(
       samples toward the current step at SAMPLES_SLACK x what that throughput gives over `step_seconds` (since this
       peer saw the step begin), plus a share of the batch; never more than the batch.
     """
+    standing = standing or Standing()
+    left_out, vouched = standing.left_out, standing.vouched
     notes = []
     records = {}
     for subkey, record in claims.items():

@@ -13,6 +13,7 @@ from sahajbert.robust import (
     PARAMETER_PAIR_FACTOR,
     THROUGHPUT_FACTOR,
     Aggregation,
+    Standing,
     aggregate,
     implausible,
     plausible_progress,
@@ -147,7 +148,9 @@ def test_one_peer_cannot_move_the_swarm_step():
     # and so does a peer whose one other peer is ahead, once it vouches for it (it averaged with it, or took its
     # checked state): two peers cannot outvote each other
     claims = {b"a": record(b"a", 0), b"b": record(b"b", 7)}
-    kept, _ = plausible_progress(claims, own_peer=b"a", own_epoch=0, target=96, step_seconds=1.0, vouched={b"b"})
+    kept, _ = plausible_progress(
+        claims, own_peer=b"a", own_epoch=0, target=96, step_seconds=1.0, standing=Standing(vouched={b"b"})
+    )
     assert set(kept) == {b"a", b"b"}
 
 
@@ -185,7 +188,9 @@ def test_a_lone_claimant_moves_no_step_until_another_peer_backs_it_or_it_is_vouc
     assert set(kept) == {b"a"}
     # a vouched peer's step counts alone, but still never above the others' lower median
     claims = {b"a": record(b"a", 3), b"b": record(b"b", 3), b"v": record(b"v", 9)}
-    kept, _ = plausible_progress(claims, own_peer=b"a", own_epoch=3, target=96, step_seconds=1.0, vouched={b"v"})
+    kept, _ = plausible_progress(
+        claims, own_peer=b"a", own_epoch=3, target=96, step_seconds=1.0, standing=Standing(vouched={b"v"})
+    )
     assert set(kept) == {b"a", b"b"}
     kept, _ = plausible_progress(
         {b"a": record(b"a", 3), b"v": record(b"v", 9)},
@@ -193,7 +198,7 @@ def test_a_lone_claimant_moves_no_step_until_another_peer_backs_it_or_it_is_vouc
         own_epoch=3,
         target=96,
         step_seconds=1.0,
-        vouched={b"v"},
+        standing=Standing(vouched={b"v"}),
     )
     assert set(kept) == {b"a", b"v"}
 
@@ -203,14 +208,18 @@ def test_a_left_out_peer_adds_nothing_to_the_swarm_progress():
     claims = {b"a": record(b"a", 3, samples=10), b"b": record(b"b", 3, samples=10), b"x": record(b"x", 3, samples=60)}
     kept, _ = plausible_progress(claims, own_peer=b"a", own_epoch=3, target=96, step_seconds=10.0)
     assert set(kept) == {b"a", b"b", b"x"} and kept[b"x"].value["samples_accumulated"] == 60
-    kept, notes = plausible_progress(claims, own_peer=b"a", own_epoch=3, target=96, step_seconds=10.0, left_out={b"x"})
+    kept, notes = plausible_progress(
+        claims, own_peer=b"a", own_epoch=3, target=96, step_seconds=10.0, standing=Standing(left_out={b"x"})
+    )
     assert set(kept) == {b"a", b"b"}
     assert notes == [("did not count the progress of a peer left out of this peer's averaging", b"x")]
     # nor does its step: with b, it would make a majority of the others (b, c, x) at step 9
     claims = {b"a": record(b"a", 3), b"b": record(b"b", 9), b"c": record(b"c", 3), b"x": record(b"x", 9)}
     kept, _ = plausible_progress(claims, own_peer=b"a", own_epoch=3, target=96, step_seconds=1.0)
     assert set(kept) == {b"a", b"b", b"c", b"x"}
-    kept, notes = plausible_progress(claims, own_peer=b"a", own_epoch=3, target=96, step_seconds=1.0, left_out=[b"x"])
+    kept, notes = plausible_progress(
+        claims, own_peer=b"a", own_epoch=3, target=96, step_seconds=1.0, standing=Standing(left_out=[b"x"])
+    )
     assert set(kept) == {b"a", b"c"} and ("ignored a claim of step 9 (most peers are at 3 or below)", b"b") in notes
 
 

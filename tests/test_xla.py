@@ -173,9 +173,12 @@ def test_diloco_on_a_tpu_host_with_a_client_mode_peer_then_resumed(tmp_path, tpu
     xla = start_xla_peer(tmp_path, run_id, initial_peers, tpu_python, "--max_steps", "10", *diloco)
     cpu = resumed = None
     try:
-        # started together, the CPU peer waits for the XLA peer (announced at a start priority) to compile and
-        # report its first pass before its first outer step (a client-mode peer announces nothing, so the XLA
-        # peer does not wait for it: it is the slower to start)
+        # the CPU peer waits for the XLA peer (announced at a start priority) to compile and report its first pass
+        # before its first outer step (a client-mode peer announces nothing, so the XLA peer does not wait for it:
+        # it is the slower to start). It starts once the XLA peer has measured its link, just before it announces
+        # itself: started at once, on a busy machine, it made all its steps before the XLA peer had joined
+        wait_for(lambda: "sahajbert.adaptive: link" in xla.output() or not xla.running(), 300, "the XLA peer's link")
+        assert xla.running(), xla.output()[-3000:]
         cpu_flags = ["--device", "cpu", "--client_mode", *diloco]
         cpu = start_peer("run_trainer.py", tmp_path, "cpu", run_id, initial_peers, *cpu_flags, "--max_steps", "10")
         for peer in (xla, cpu):

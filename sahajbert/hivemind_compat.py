@@ -709,6 +709,34 @@ def round_peers(control: StepControl) -> set[str]:
     return {peer.to_base58() for peer in control.result()} if _succeeded(control) else set()
 
 
+class RequestPipe:
+    """The end of hivemind's DHT pipe its process reads requests from. A request carries its reply channel, which
+    the DHT process fetches from the sender: when the sender (an averager at a stop) has exited first, the read
+    fails with EOFError, which hivemind's loop does not catch (`DHT.run`: OSError, ConnectionError and RuntimeError
+    only), so the DHT process ended with a traceback. Raised as ConnectionResetError, hivemind logs it (a line the
+    swarm's `_GoneCaller` filter drops) and reads the next request."""
+
+    def __init__(self, end):
+        self._end = end
+
+    def recv(self):
+        try:
+            return self._end.recv()
+        except EOFError as e:
+            raise ConnectionResetError("the sender of a DHT request exited before it was read") from e
+
+    def __getattr__(self, name: str):
+        return getattr(self._end, name)
+
+
+class GuardedDHT(hivemind.DHT):
+    """hivemind.DHT whose process reads its requests through `RequestPipe`."""
+
+    def run(self) -> None:
+        self._inner_pipe = RequestPipe(self._inner_pipe)  # in the DHT's own process, which run() starts
+        super().run()
+
+
 def unbacked_claims(optimizer: hivemind.Optimizer) -> dict[str, int]:
     """Steps other serving peers claim beyond the swarm's step this peer follows, and beyond the usual one-step lag
     (no other peer backs them, and this one cannot vouch for their claimants), by peer id (base58)."""

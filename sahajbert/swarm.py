@@ -172,7 +172,7 @@ def build_dht(
     relaying = compat.relay_options(swarm_args.auto_relay, relays, swarm_args.reachability, swarm_args.client_mode)
     compat.set_daemon_flags(**relaying["daemon"])
     try:
-        dht = hivemind.DHT(
+        dht = compat.GuardedDHT(
             initial_peers=peers,
             start=True,
             startup_timeout=swarm_args.join_timeout,

@@ -5,8 +5,9 @@ RUN --initial_peers ADDR [--claim_epoch N]`.
 It joins the run's keys (hivemind's `<run_id>_progress`, `_state_averager`, `_grad_averager`) with the tiny preset's
 parameters in the trainers' order (matrices, then biases and LayerNorm weights), SGD at learning rate 0 (so no
 optimizer statistics to share), NaN gradients, one pass of 8 samples about every 0.8 s. `--claim_epoch N` makes its
-first progress record claim global step N. It prints `plain peer id <id>`, then `plain peer ready`, then `plain peer
-at epoch <n>` at each step it makes; it ends on SIGTERM or after --max_seconds.
+first progress record claim global step N; with `--start_file PATH` it trains (and claims) only once PATH exists. It
+prints `plain peer id <id>`, then `plain peer ready`, then `plain peer at epoch <n>` at each step it makes; it ends
+on SIGTERM or after --max_seconds.
 """
 
 import argparse
@@ -30,6 +31,7 @@ def main() -> int:
     parser.add_argument("--claim_epoch", type=int, default=0)
     parser.add_argument("--target_batch_size", type=int, default=96)
     parser.add_argument("--max_seconds", type=float, default=900.0)
+    parser.add_argument("--start_file", default=None, help="once ready, wait until this file exists to train")
     args = parser.parse_args()
 
     config = {k: v for k, v in json.loads(TINY_CONFIG.read_text()).items() if k not in ("architectures", "model_type")}
@@ -56,10 +58,12 @@ def main() -> int:
     stopping = []
     # set after the optimizer: hivemind's averagers ignore SIGINT in this process as they start
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    print("plain peer ready", flush=True)
+    while args.start_file and not Path(args.start_file).exists() and not stopping:
+        time.sleep(0.2)  # it has reported nothing yet: hivemind publishes progress once a peer has samples or a step
     if args.claim_epoch:
         optimizer.state_averager.local_epoch = args.claim_epoch
         optimizer.tracker.report_local_progress(args.claim_epoch, 0)
-    print("plain peer ready", flush=True)
     started = time.monotonic()
     try:
         while not stopping and time.monotonic() - started < args.max_seconds:

@@ -510,3 +510,15 @@ def test_hivemind_errors_a_user_cannot_act_on_are_one_line_shown_only_with_verbo
         ("INFO", "Averager shutdown has no effect: the process is already not alive", None),
         ("ERROR", "a real problem", None),
     ]
+
+
+def test_a_dht_request_whose_sender_exited_is_an_error_hivemind_reads_past():
+    import multiprocessing as mp
+
+    from sahajbert.hivemind_compat import RequestPipe
+
+    reader, writer = mp.Pipe(duplex=False)
+    writer.close()  # the sender is gone: reading fails with EOFError, which would end hivemind's DHT process
+    with pytest.raises(ConnectionResetError):
+        RequestPipe(reader).recv()
+    assert RequestPipe(reader).fileno() == reader.fileno()

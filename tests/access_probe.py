@@ -118,19 +118,22 @@ async def link_probe(p2p: P2P, peer: PeerID) -> bool:
         return False
 
 
-async def answered(call, tries: int) -> bool:
-    """Whether one of `tries` calls of `call()` was answered: a member's call may time out on a busy machine (an
-    outsider's is refused every time)."""
-    for _ in range(tries):
-        if await call():
-            return True
-    return False
+async def answered_within(call, seconds: float) -> bool:
+    """Whether a call of `call()` was answered within `seconds` (tried again each second): a member is admitted once
+    its token's record has reached the peer it calls, which takes longer on a busy machine; an outsider is refused
+    every time. With 0 seconds, one call."""
+    deadline = time.monotonic() + seconds
+    while not await call():
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(1.0)
+    return True
 
 
-async def rpcs(p2p: P2P, first: PeerID, trainer: PeerID, run_id: str, request, tries: int = 1) -> dict:
+async def rpcs(p2p: P2P, first: PeerID, trainer: PeerID, run_id: str, request, wait: float = 0.0) -> dict:
     return {
-        "dht_ping": await answered(lambda: ping(p2p, first, request), tries),
-        "link_probe": await answered(lambda: link_probe(p2p, trainer), tries),
+        "dht_ping": await ping(p2p, first, request),
+        "link_probe": await answered_within(lambda: link_probe(p2p, trainer), wait),
         "download_state": await download_state(p2p, trainer, run_id),
         "join_group": await join_group(p2p, trainer, run_id),
         "send_part": await send_part(p2p, trainer, run_id),
@@ -195,8 +198,11 @@ def member(args) -> dict:
 
         async def direct():
             p2p = await dht.replicate_p2p()
+            # a signed request is answered once (a replay is refused): each try is signed anew
+            admitted = await answered_within(lambda: ping(p2p, first, signed(ping_request(p2p), token, key)), 90)
             request = signed(ping_request(p2p), token, key)
-            results = await rpcs(p2p, first, trainer, args.run_id, request, tries=3)
+            results = await rpcs(p2p, first, trainer, args.run_id, request, wait=90)
+            results["admitted_within_90_s"] = admitted
             results["replayed_ping"] = await ping(p2p, first, request)  # the very same signed request again
             return results
 

@@ -80,7 +80,7 @@ def step_with_two_peers(peer: PeerProcess) -> bool:
     return any("global step" in line and "| 2 peer(s)" in line for line in peer.output().splitlines())
 
 
-def probe(*args, timeout=150) -> dict:
+def probe(*args, timeout=300) -> dict:
     completed = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "access_probe.py"), *args],
         capture_output=True,

@@ -198,9 +198,15 @@ def member(args) -> dict:
 
         async def direct():
             p2p = await dht.replicate_p2p()
-            # a signed request is answered once (a replay is refused): each try is signed anew
-            admitted = await answered_within(lambda: ping(p2p, first, signed(ping_request(p2p), token, key)), 90)
-            request = signed(ping_request(p2p), token, key)
+
+            # a signed request is answered once (a replay is refused): each try is signed anew, with the token as
+            # renewed now (it lives LIFETIME = 15 s in the test: the one read at the start had expired on a busy
+            # machine by the time the outsiders' checks above were done)
+            def fresh():
+                return signed(ping_request(p2p), membership.authorizer.token, key)
+
+            admitted = await answered_within(lambda: ping(p2p, first, fresh()), 90)
+            request = fresh()
             results = await rpcs(p2p, first, trainer, args.run_id, request, wait=90)
             results["admitted_within_90_s"] = admitted
             results["replayed_ping"] = await ping(p2p, first, request)  # the very same signed request again

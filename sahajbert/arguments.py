@@ -165,7 +165,7 @@ class SwarmArguments:
         default="auto",
         metadata={
             "help": "auto: libp2p's AutoNAT asks other peers to dial back (about 15 s); public or private: skip "
-            "that test when you know (a relaying peer should leave it to AutoNAT: see README).",
+            "that test when you know (a relaying peer should leave it to AutoNAT: see docs/volunteers.md).",
             "choices": ["auto", "public", "private"],
         },
     )
@@ -173,7 +173,7 @@ class SwarmArguments:
         default=None,
         metadata={
             "help": "NAME:SECRET for an invite-only run, as the organizer sent it: the first peer then grants this "
-            "peer a short-lived access token, renewed in the background (see README, Invite-only runs)."
+            "peer a short-lived access token, renewed in the background (see docs/organizers.md, invite-only runs)."
         },
     )
     use_ipfs: bool = field(default=False, metadata={"help": "Also find peers through the public IPFS DHT."})
@@ -525,7 +525,8 @@ class LocalTrainingArguments:
         default=None,
         metadata={
             "help": "Train as a reference run trained: its whole recipe (optimizer, schedule, batch, clipping, "
-            "compression, averaging timing, data); flags you give win. See the README's recipe table.",
+            "compression, averaging timing, data); flags you give win. See the recipe table in "
+            "docs/models-and-evaluation.md.",
             "choices": ["sahajbert", "sahajbert-xl"],
         },
     )
@@ -653,7 +654,8 @@ class FinetuneArguments:
         default=None,
         metadata={
             "help": "Fine-tune as a reference evaluated: its learning rate, batch, epochs, early stopping, best epoch "
-            "by validation loss, maximum length and dropout; flags you give win. See the README's protocol table.",
+            "by validation loss, maximum length and dropout; flags you give win. See the protocol table in "
+            "docs/models-and-evaluation.md.",
             "choices": ["sahajbert", "sahajbert-xl"],
         },
     )

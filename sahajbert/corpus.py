@@ -27,7 +27,7 @@ class HubSource:
     note: str = ""
 
 
-# Read from the Hub's pages and code (the Hub is unreachable from CI): see README "Corpus sources".
+# Read from the Hub's pages and code (the Hub is unreachable from CI): see docs/data.md, "Corpus sources".
 HUB_SOURCES = {
     "wikipedia": HubSource("wikimedia/wikipedia", "20231101.bn", "text", gated=False, note="~143k Bengali articles"),
     "fineweb2": HubSource(

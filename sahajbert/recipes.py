@@ -4,7 +4,8 @@ A recipe or protocol is a set of flag values, applied under the flags given expl
 settings file. Each value names where the reference sets it. Both references were read at these commits:
 - DeDLOC's sahajBERT (2021): yandex-research/DeDLOC at 10a9df8, folder `sahajbert/` (D below).
 - sahajBERT-XL (2021): tanmoyio/sahajBERT at 0462fe4 (X below).
-The README's recipe and protocol tables list these values; `tests/test_recipes.py` checks they agree.
+The recipe and protocol tables of docs/models-and-evaluation.md list these values; `tests/test_recipes.py` checks
+that they agree.
 """
 
 RECIPES: dict[str, dict[str, object]] = {

@@ -1,4 +1,4 @@
-"""`--recipe` and `--protocol`: what the flags give is what the README's tables say, and explicit flags win."""
+"""`--recipe` and `--protocol`: what the flags give is what the documented tables say, and explicit flags win."""
 
 import dataclasses
 import json
@@ -12,12 +12,15 @@ from sahajbert.recipes import PROTOCOLS, RECIPES
 
 from .swarm_helpers import ROOT, script
 
+# the page that holds the recipe and protocol tables (the README links to it)
+TABLES_PAGE = "docs/models-and-evaluation.md"
 
-def readme_table(first_header_cell: str) -> list[list[str]]:
-    """The README table whose header row starts with `first_header_cell`, as rows of cells (backticks removed)."""
-    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+
+def docs_table(first_header_cell: str) -> list[list[str]]:
+    """The documented table whose header row starts with `first_header_cell`, as rows of cells (backticks removed)."""
+    lines = (ROOT / TABLES_PAGE).read_text(encoding="utf-8").splitlines()
     headers = [i for i, line in enumerate(lines) if line.startswith(f"| {first_header_cell} |")]
-    assert len(headers) == 1, f"one table headed {first_header_cell!r} in README.md"
+    assert len(headers) == 1, f"one table headed {first_header_cell!r} in {TABLES_PAGE}"
     rows = []
     for line in lines[headers[0] + 2 :]:
         if not line.startswith("|"):
@@ -45,7 +48,7 @@ TRAINER_FLAGS = runpy.run_path(str(script("run_trainer.py")))["FLAGS"]
 
 
 def test_the_recipe_table_is_what_the_flags_give():
-    rows = readme_table("flag | our default | `--recipe sahajbert`")
+    rows = docs_table("flag | our default | `--recipe sahajbert`")
     columns = {
         "ours": flat_values(cli.parse_args(TRAINER_FLAGS, [])),
         "sahajbert": flat_values(cli.parse_args(TRAINER_FLAGS, ["--recipe", "sahajbert"])),
@@ -57,15 +60,15 @@ def test_the_recipe_table_is_what_the_flags_give():
         name = name.removeprefix("--")
         for column, cell in (("ours", ours), ("sahajbert", dedloc), ("sahajbert-xl", xl)):
             assert same(cell, columns[column][name]), (
-                f"{name} under {column}: README {cell}, flags {columns[column][name]}"
+                f"{name} under {column}: {TABLES_PAGE} {cell}, flags {columns[column][name]}"
             )
         if ours != dedloc and ours != xl:
-            assert why, f"--{name}: our default differs from both references, and the README must say why"
+            assert why, f"--{name}: our default differs from both references, and {TABLES_PAGE} must say why"
 
 
 @pytest.mark.parametrize("task", ["ner", "ncc"])
 def test_the_protocol_table_is_what_the_flags_give(task):
-    rows = readme_table("flag | our default | `--protocol sahajbert` (NER, news)")
+    rows = docs_table("flag | our default | `--protocol sahajbert` (NER, news)")
     flags, model = finetune_flags(task), ["--model_name_or_path", "some/model"]
     columns = {
         "ours": flat_values(cli.parse_args(flags, model)),
@@ -77,7 +80,7 @@ def test_the_protocol_table_is_what_the_flags_give(task):
         name = name.removeprefix("--")
         xl = xl_ner if task == "ner" else xl_news
         for column, cell in (("ours", ours), ("sahajbert", dedloc), ("sahajbert-xl", xl)):
-            assert same(cell, columns[column][name]), f"{task} {name} under {column}: README {cell}"
+            assert same(cell, columns[column][name]), f"{task} {name} under {column}: {TABLES_PAGE} {cell}"
 
 
 def test_flags_win_over_the_recipe_and_the_recipe_over_the_defaults(tmp_path):

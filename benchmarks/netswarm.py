@@ -7,9 +7,9 @@ hub side with `tc`: netem for latency and bandwidth where the kernel has sch_net
 for latency, benchmarks/delayswitch.py, a userspace switch in the hub that holds each frame for the link latency
 (it needs ethtool, to switch the veths' offloads off). The round trip between peers is measured and printed. It runs
 a first peer, N trainers (the last in client mode, as a firewalled volunteer) and optionally an aux peer that
-assists averaging, kills one trainer and starts a new one every --churn_every seconds (or every
---churn_every_steps global steps of the swarm), and prints one table per run. The peers use their automatic timing
-and measured bandwidth unless timing flags are given; `--heterogeneous` gives the trainers different links and
+assists averaging, starts a new trainer and, once it has joined, kills an old one every --churn_every seconds (or
+every --churn_every_steps global steps of the swarm), and prints one table per run. The peers use their automatic
+timing and measured bandwidth unless timing flags are given; `--heterogeneous` gives the trainers different links and
 `--balance compare` runs the equal split and bandwidth balancing one after the other, side by side.
 Everything it created (namespaces, veths, processes) is removed on exit, on Ctrl+C and on failure.
 """
@@ -272,6 +272,9 @@ class Network:
 
 
 TRAINING = re.compile(r"samples toward the next step|global step \d")  # a trainer's log once it trains
+# a newcomer's log once it has the swarm's state (or trains with it): a churn event's victim dies after this
+JOINED = re.compile(r"joined at global step|global step \d+ \|")
+STANDBY_STEPS = 2  # global steps before a churn event at which its replacement starts (--churn_every_steps)
 # timing flags passed on to every peer only when given: by default each peer plans its own (sahajbert.adaptive)
 TIMING_FLAGS = ("averaging_timeout", "next_chunk_timeout", "matchmaking_time", "final_averaging_window")
 
@@ -447,7 +450,7 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
         # and once more when the swarm's last step is logged: what the trainers sent in training, before the final
         # parameter round (a fixed cost of a run: parameters and optimizer state, once)
         before_final = None
-        started, next_churn, churn_slot = time.time(), time.time() + args.churn_every, 0
+        started, next_churn, churn_slot, standby = time.time(), time.time() + args.churn_every, 0, None
         next_churn_step = args.churn_every_steps
         while any(p.running() for p in trainers.values()):
             if time.time() - started > args.timeout:
@@ -460,16 +463,22 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
             due = (args.churn_every and time.time() >= next_churn) or (
                 args.churn_every_steps and swarm_step >= next_churn_step
             )
-            if due and len(kills) < args.churn_events:
-                alive = [name for name, p in trainers.items() if p.running()]
+            # each replacement starts STANDBY_STEPS global steps before its churn event (or at it, for churn in
+            # seconds), and the victim dies once the replacement has joined: how long a start takes on a busy
+            # machine must not decide whether the replacement meets the survivors before the run ends
+            standby_due = args.churn_every_steps and swarm_step >= next_churn_step - STANDBY_STEPS
+            if (due or standby_due) and standby is None and len(kills) < args.churn_events:
+                standby = start_trainer(2 + args.trainers + len(kills), client=False, newcomer=True)
+            if due and standby is not None and JOINED.search(trainers[standby].output()):
+                alive = [name for name, p in trainers.items() if p.running() and name != standby]
                 victim = alive[churn_slot % len(alive)]
                 trainers[victim].kill()
                 kills.append(time.time())
-                name = start_trainer(2 + args.trainers + len(kills) - 1, client=False, newcomer=True)
                 churn_slot += 1
                 next_churn = time.time() + args.churn_every
                 next_churn_step = swarm_step + args.churn_every_steps
-                print(f"churn: killed {victim}, started {name} on a new host", flush=True)
+                print(f"churn: killed {victim}, started {standby} on a new host", flush=True)
+                standby = None
             time.sleep(1)
         start_bytes = start_bytes or {ns: net.tx_bytes(ns) for ns, _ in [*hosts.values(), first_host]}
         sent_by_host = {ns: net.tx_bytes(ns) - start_bytes[ns] for ns, _ in hosts.values()}

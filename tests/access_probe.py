@@ -200,8 +200,8 @@ def member(args) -> dict:
             p2p = await dht.replicate_p2p()
 
             # a signed request is answered once (a replay is refused): each try is signed anew, with the token as
-            # renewed now (it lives LIFETIME = 15 s in the test: the one read at the start had expired on a busy
-            # machine by the time the outsiders' checks above were done)
+            # renewed now (it lives test_access.LIFETIME seconds: the one read at the start may have expired by the
+            # time the outsiders' checks above were done)
             def fresh():
                 return signed(ping_request(p2p), membership.authorizer.token, key)
 
@@ -224,6 +224,7 @@ def member(args) -> dict:
         found["member_reads_metrics"] = metrics_found is not None
         found["intruder_key_in_swarm"] = dht.get(f"{args.run_id}_intruder", latest=True) is not None
         found["token_expires_in"] = access.token_expiry(token) - get_dht_time()
+        found["membership_failure"] = membership.failure  # why this member lost its token, if it did
     finally:
         membership.stop()
         dht.shutdown()

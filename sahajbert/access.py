@@ -324,8 +324,8 @@ async def _serve_invites(_dht, node) -> None:
 
 
 async def _renew(_dht, node, authority: PeerID, invite: Invite) -> tuple[str, bytes | str]:
-    """("token", the new token) or ("refused", why): hivemind logs a coroutine's exception as an error with its
-    traceback, and a refusal is an answer, not an error."""
+    """("token", the new token), ("refused", why) or ("unanswered", why): hivemind logs a coroutine's exception as an
+    error with its traceback, and neither a refusal nor an organizer that does not answer (yet) is an error here."""
     return await compat.kept_alive(_renew_now(node, authority, invite))
 
 
@@ -335,6 +335,8 @@ async def _renew_now(node, authority: PeerID, invite: Invite) -> tuple[str, byte
         token, _ = await ask(node.p2p, authority, invite, authorizer.local_public_key.to_bytes())
     except Refused as e:
         return "refused", str(e)
+    except Exception as e:  # the organizer's peer unreachable or gone: the renewal loop retries until expiry
+        return "unanswered", f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
     authorizer.token = token
     return "token", token.SerializeToString()
 
@@ -528,10 +530,12 @@ class SwarmAccess:
                     renewal = partial(_renew, authority=self.authority_peer, invite=self.invite)
                     answer, data = dht.run_coroutine(renewal, return_future=True).result(timeout=ASK_TIMEOUT + RETRY)
                 except Exception as e:
+                    answer, data = "unanswered", repr(e)
+                if answer == "unanswered":
                     if get_dht_time() + RETRY >= expiry:
-                        self.failure = f"the access token expired: the organizer's peer did not answer ({e!r})"
+                        self.failure = f"the access token expired: the organizer's peer did not answer ({data})"
                         return
-                    logger.warning(f"could not renew the access token yet (retrying): {e!r}")
+                    logger.warning(f"could not renew the access token yet (retrying): {data}")
                     self._stop.wait(RETRY)
                     continue
                 if answer == "refused":

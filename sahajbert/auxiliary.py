@@ -14,9 +14,10 @@ from sahajbert.arguments import AuxPeerArguments, PeerArguments
 from sahajbert.cli import UserError
 from sahajbert.dashboard import Dashboard
 from sahajbert.model import build_model
-from sahajbert.monitor import SwarmMonitor
+from sahajbert.monitor import FinalModel, SwarmMonitor
 from sahajbert.optim import build_collaborative_optimizer
 from sahajbert.signals import StopRequest
+from sahajbert.stopping import final_source
 from sahajbert.swarm import SwarmPeer, validate_initial_peers
 from sahajbert.tokenization import load_tokenizer
 
@@ -95,6 +96,7 @@ class AuxPeer(SwarmPeer):
             # the trainers' own factory and arguments: the aux peer never re-types a hyperparameter
             # and the same timing rule: an assisting aux peer reduces a share of every all-reduce by its bandwidth
             timing, _, _ = adaptive.tune(peer_args, self.dht, sum(p.numel() for p in self.model.parameters()))
+            self.timing = timing
             self.optimizer = build_collaborative_optimizer(
                 self.model,
                 self.dht,
@@ -127,6 +129,7 @@ class AuxPeer(SwarmPeer):
         saved = checkpoints.list_checkpoints(peer_args.training_args.output_dir)
         self.saved_step = saved[-1][0] if saved else self.optimizer.local_epoch
         self._last_refresh = self._last_announce = 0.0
+        self.final_step = 0  # the global step of the last final model saved (0: none)
 
     def close(self) -> None:
         """Finish the wandb run, stop the dashboard, then leave the swarm."""
@@ -153,30 +156,61 @@ class AuxPeer(SwarmPeer):
             stop.event.wait(TICK)
 
     def _refresh(self, now: float) -> None:
-        summary = self.monitor.update(metrics.fetch(self.dht, self.args.swarm_args.run_id), now)
-        if summary is not None:
-            loss = "n/a" if summary.loss != summary.loss else f"{summary.loss:.4f}"
+        run_id = self.args.swarm_args.run_id
+        records = metrics.fetch(self.dht, run_id)
+        new_points = self.monitor.update(records, now, compat.progress_peers(self.optimizer))
+        for point in new_points:
+            loss = "n/a" if point["loss"] is None else f"{point['loss']:.4f}"
             logger.info(
-                f"global step {summary.step} | loss {loss} | {summary.alive_peers} peer(s) | "
-                f"{summary.samples_per_second:.1f} samples/s | {summary.samples_accumulated} samples"
+                f"global step {point['step']} | loss {loss} | {point['peers']} peer(s) | "
+                f"{point['samples_per_second']:.1f} samples/s | {point['samples']} samples"
             )
             if self.wandb_run is not None:
-                self.wandb_run.log(
-                    {
-                        "loss": summary.loss,
-                        "alive_peers": summary.alive_peers,
-                        "samples_per_second": summary.samples_per_second,
-                        "samples": summary.samples_accumulated,
-                        "step": summary.step,
-                    }
-                )
-        latest = self.monitor.latest
-        swarm_step = max(latest.step if latest else 0, compat.position(self.optimizer).swarm_step)
-        if swarm_step >= self.saved_step + self.aux_args.checkpoint_every:
+                self.wandb_run.log({**point, "alive_peers": self.monitor.alive_peers()})
+        self._save_final_model(run_id)
+        metrics.announce_archive(
+            self.dht,
+            run_id,
+            self.public_key,
+            metrics.ArchiveRecord(step=self.final_step, refresh_period=float(self.aux_args.refresh_period)),
+        )
+        swarm_step = max(self.monitor.global_step, compat.position(self.optimizer).swarm_step)
+        if self.final_step < swarm_step and swarm_step >= self.saved_step + self.aux_args.checkpoint_every:
             self.saved_step = self._checkpoint() or self.saved_step
         if self.uploader is not None:
             checkpoint = checkpoints.latest_checkpoint(self.args.training_args.output_dir)
-            self.uploader.maybe_upload(checkpoint, latest.loss if latest else None, now)
+            latest = self.monitor.history[-1] if self.monitor.history else {}
+            self.uploader.maybe_upload(checkpoint, latest.get("loss"), now)
+
+    def _save_final_model(self, run_id: str) -> None:
+        """Once trainers end the run (their final round's records), download the final model from the peer whose
+        parameters the round settled on and save it as the last checkpoint; the trainers wait for it
+        (trainer.TrainerPeer._wait_for_archive)."""
+        finished = metrics.fetch_all_finished(self.dht, run_id)
+        step = max((record.step for record in finished), default=0)
+        if step <= self.final_step:
+            return
+        source = final_source([record for record in finished if record.step == step])
+        if source is None:
+            logger.warning(f"the run ended at step {step}, but no trainer serves its state: no final model saved")
+            self.final_step = step
+            return
+        if not compat.take_state_of(self.optimizer, source, step, self.timing.load_state_timeout):
+            logger.info(f"could not download the final model of step {step} from peer {source}: will try again")
+            return
+        latest = self.monitor.history[-1] if self.monitor.history else {}
+        saved = checkpoints.save_checkpoint(
+            self.args.training_args.output_dir,
+            step,
+            self.model,
+            self.tokenizer,
+            optimizer_state=self.optimizer.state_dict(),
+            state={"loss": latest.get("loss"), "final": True, "source": source},
+            keep=self.args.training_args.keep_checkpoints,
+        )
+        self.final_step = self.saved_step = step
+        self.monitor.final = FinalModel(step, source, saved.name)
+        logger.info(f"saved the swarm's final model (step {step}, from peer {source}) as {saved}")
 
     def _serve_initial_state(self, checkpoint: str) -> None:
         """Load the checkpoint's optimizer state and global step, and advertise that step so joiners download it."""
@@ -206,14 +240,14 @@ class AuxPeer(SwarmPeer):
                 f"next checkpoint is for; will download it again at the next refresh"
             )
             return None
-        latest = self.monitor.latest
+        latest = self.monitor.history[-1] if self.monitor.history else {}
         checkpoints.save_checkpoint(
             self.args.training_args.output_dir,
             self.optimizer.local_epoch,
             self.model,
             self.tokenizer,
             optimizer_state=self.optimizer.state_dict(),
-            state={"loss": latest.loss if latest else None},
+            state={"loss": latest.get("loss")},
             keep=self.args.training_args.keep_checkpoints,
         )
         return self.optimizer.local_epoch

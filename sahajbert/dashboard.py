@@ -20,18 +20,19 @@ svg{border:1px solid #ddd;background:#fafafa}
 table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:.3rem .7rem;text-align:right}
 </style></head><body>
 <h1>Run <span id="run_id">?</span></h1>
+<p id="run_status"></p>
 <div class="cards">
  <div class="card">global step<b id="global_step">-</b></div>
- <div class="card">peers alive<b id="alive_peers">-</b></div>
+ <div class="card">peers training<b id="alive_peers">-</b></div>
  <div class="card">loss<b id="loss">-</b></div>
  <div class="card">samples/s<b id="samples_per_second">-</b></div>
 </div>
 <div class="charts">
  <div>loss per global step<br><svg id="chart_loss" width="420" height="180"></svg></div>
  <div>swarm samples/s<br><svg id="chart_throughput" width="420" height="180"></svg></div>
- <div>peers alive<br><svg id="chart_peers" width="420" height="180"></svg></div>
+ <div>peers per global step<br><svg id="chart_peers" width="420" height="180"></svg></div>
 </div>
-<table><thead><tr><th>peer</th><th>step</th><th>samples contributed</th><th>samples/s</th>
+<table><thead><tr><th>peer</th><th>status</th><th>step</th><th>samples contributed</th><th>samples/s</th>
 <th>last seen</th></tr></thead>
 <tbody id="peers"></tbody></table>
 <p id="updated"></p>
@@ -45,7 +46,10 @@ function chart(id, points, key) {
   const sx = x => 30 + (w - 40) * (x1 > x0 ? (x - x0) / (x1 - x0) : 0.5);
   const sy = y => h - 20 - (h - 30) * (y1 > y0 ? (y - y0) / (y1 - y0) : 0.5);
   const path = values.map((p, i) => (i ? "L" : "M") + sx(p.step).toFixed(1) + "," + sy(p[key]).toFixed(1)).join("");
-  svg.innerHTML = '<path d="' + path + '" fill="none" stroke="#1f6feb" stroke-width="2"/>' +
+  // one dot per global step (a single step still shows), joined by a line
+  const dots = values.map(p => '<circle class="pt" cx="' + sx(p.step).toFixed(1) + '" cy="' +
+    sy(p[key]).toFixed(1) + '" r="2.5" fill="#1f6feb"/>').join("");
+  svg.innerHTML = '<path d="' + path + '" fill="none" stroke="#1f6feb" stroke-width="2"/>' + dots +
     '<text x="2" y="12" font-size="10">' + y1.toPrecision(4) + '</text>' +
     '<text x="2" y="' + (h - 22) + '" font-size="10">' + y0.toPrecision(4) + '</text>' +
     '<text x="30" y="' + (h - 5) + '" font-size="10">step ' + x0 + '</text>' +
@@ -54,15 +58,18 @@ function chart(id, points, key) {
 async function refresh() {
   try {
     const s = await (await fetch("/api/state")).json();
-    for (const k of ["run_id", "global_step", "alive_peers"]) document.getElementById(k).textContent = s[k];
+    for (const k of ["run_id", "global_step", "alive_peers", "run_status"]) {
+      document.getElementById(k).textContent = s[k];
+    }
     document.getElementById("loss").textContent = s.loss === null ? "-" : s.loss.toFixed(4);
     document.getElementById("samples_per_second").textContent = s.samples_per_second.toFixed(1);
     chart("chart_loss", s.history, "loss");
     chart("chart_throughput", s.history, "samples_per_second");
-    chart("chart_peers", s.history, "alive_peers");
+    chart("chart_peers", s.history, "peers");
     document.getElementById("peers").innerHTML = s.peers.map(p =>
-      "<tr><td>" + p.peer + "</td><td>" + p.step + "</td><td>" + p.samples_contributed + "</td><td>" +
-      p.samples_per_second.toFixed(1) + "</td><td>" + p.last_seen_seconds_ago + " s ago</td></tr>").join("");
+      "<tr><td>" + p.peer + "</td><td>" + p.status + "</td><td>" + p.step + "</td><td>" +
+      p.samples_contributed + "</td><td>" + p.samples_per_second.toFixed(1) + "</td><td>" +
+      p.last_seen_seconds_ago + " s ago</td></tr>").join("");
     document.getElementById("updated").textContent = "updated " + new Date().toLocaleTimeString();
   } catch (e) { document.getElementById("updated").textContent = "aux peer unreachable: " + e; }
 }

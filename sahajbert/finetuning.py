@@ -3,6 +3,7 @@
 import csv
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,11 +28,35 @@ class Task:
     dataset_config: str
     labels: list[str]
     metric: str  # the validation metric that picks the best epoch and early-stops
+    data_title: str  # what the results table calls the Hub dataset
+    sample_files: tuple[str, str, str]  # train, validation and test files of finetune/sample/, for offline runs
+
+    def sample_flags(self) -> str:
+        """The flags of an offline run on the bundled sample files (paths as the user can type them from here)."""
+        paths = [os.path.relpath(SAMPLE_DIR / name) for name in self.sample_files]
+        return " ".join(f"--{split}_file {path}" for split, path in zip(SPLITS, paths))
 
 
+SAMPLE_DIR = Path(__file__).resolve().parent.parent / "finetune" / "sample"
 TASKS = {
-    "ner": Task("ner", "unimelb-nlp/wikiann", "bn", NER_LABELS, "f1"),
-    "ncc": Task("ncc", "ai4bharat/indic_glue", "sna.bn", NEWS_LABELS, "accuracy"),
+    "ner": Task(
+        "ner",
+        "unimelb-nlp/wikiann",
+        "bn",
+        NER_LABELS,
+        "f1",
+        "WikiANN bn",
+        ("ner_train.conll", "ner_validation.conll", "ner_test.conll"),
+    ),
+    "ncc": Task(
+        "ncc",
+        "ai4bharat/indic_glue",
+        "sna.bn",
+        NEWS_LABELS,
+        "accuracy",
+        "sna.bn",
+        ("news_train.csv", "news_validation.csv", "news_test.csv"),
+    ),
 }
 
 
@@ -117,12 +142,19 @@ def load_task_data(task: Task, finetune_args: FinetuneArguments) -> dict[str, li
     else:
         from datasets import load_dataset
 
+        from sahajbert.tokenization import hub_offline, hub_unreachable
+
         name = finetune_args.dataset_name or task.dataset_name
         config = finetune_args.dataset_config or task.dataset_config
+        offline = f"; offline, fine-tune on local files, e.g. the bundled sample: {task.sample_flags()}"
+        # asked first (one request, seconds): the datasets library retries an unreachable Hub for about a minute
+        unreachable = None if hub_offline() else hub_unreachable()
+        if unreachable:
+            raise UserError(f"cannot load {name} ({config}): the Hub is unreachable ({unreachable}){offline}")
         try:
             hub = load_dataset(name, config)
         except Exception as e:
-            raise UserError(f"cannot load {name} ({config}): {str(e).strip().splitlines()[0]}") from e
+            raise UserError(f"cannot load {name} ({config}): {str(e).strip().splitlines()[0]}{offline}") from e
         column = "ner_tags" if task.name == "ner" else "label"
         names = hub["train"].features[column]
         names = names.feature.names if task.name == "ner" else names.names
@@ -150,6 +182,14 @@ def load_model_tokenizer(path: str):
         raise UserError(f"model folder '{path}' has no tokenizer (expected tokenizer.json beside the weights)")
     if not folder.exists() and (path.startswith((".", "/")) or path.count("/") > 1):
         raise UserError(f"model folder not found: '{path}'")
+    from sahajbert.tokenization import hub_offline, hub_unreachable
+
+    unreachable = None if folder.exists() or hub_offline() else hub_unreachable()
+    if unreachable:
+        raise UserError(
+            f"cannot load the model '{path}': no such folder here, and the Hub is unreachable ({unreachable}): give "
+            "a checkpoint folder, e.g. one a trainer saved (outputs/demo/trainer0/checkpoint-N after `make demo`)"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
@@ -288,6 +328,8 @@ def run_task(task_name: str, finetune_args: FinetuneArguments, training_args: Fi
         "validation": {k.removeprefix("validation_"): v for k, v in validation.items()},
         "test": {k.removeprefix("test_"): v for k, v in test.items()},
         "majority_baseline_test": majority_baseline(task, data["train"], data["test"]),
+        # what the table names: the Hub dataset, or the local test file the scores come from
+        "data": Path(finetune_args.test_file).name if finetune_args.train_file else task.data_title,
     }
     path = Path(training_args.output_dir) / "results.json"
     path.write_text(json.dumps(results, indent=2, ensure_ascii=False) + "\n")
@@ -295,11 +337,14 @@ def run_task(task_name: str, finetune_args: FinetuneArguments, training_args: Fi
     return results
 
 
-TABLE_COLUMNS = {"ner": ("NER F1 (WikiANN bn)", "f1"), "ncc": ("News accuracy (sna.bn)", "accuracy")}
+TABLE_COLUMNS = {"ner": ("NER F1", "f1"), "ncc": ("News accuracy", "accuracy")}
+BASELINE_ROW = "majority-class baseline"
 
 
 def summarize(runs: list[dict]) -> dict[str, dict[str, dict]]:
-    """{model: {task: {"mean", "std", "scores"}}} of the test metric over seeds (std: population, as numpy)."""
+    """{model: {task: {"mean", "std", "scores"}}} of the test metric over seeds (std: population, as numpy), and a
+    row BASELINE_ROW: {task: {"mean", "data"}}, the score of always predicting the most frequent training label, and
+    the data the task's scores come from."""
     table: dict[str, dict[str, dict]] = {}
     for run in runs:
         metric = TABLE_COLUMNS[run["task"]][1]
@@ -308,13 +353,27 @@ def summarize(runs: list[dict]) -> dict[str, dict[str, dict]]:
     for tasks in table.values():
         for cell in tasks.values():
             cell["mean"], cell["std"] = float(np.mean(cell["scores"])), float(np.std(cell["scores"]))
+    for run in runs:  # the same data for every model and seed of a task (evaluate.py gives each task's flags once)
+        metric = TABLE_COLUMNS[run["task"]][1]
+        baseline = {"mean": run["majority_baseline_test"][metric], "data": run.get("data")}
+        table.setdefault(BASELINE_ROW, {})[run["task"]] = baseline
     return table
 
 
 def markdown_table(table: dict[str, dict[str, dict]], tasks: list[str]) -> str:
-    """Paper-style table: one row per model, mean ± std (in %) per task."""
-    lines = ["| model | " + " | ".join(TABLE_COLUMNS[t][0] for t in tasks) + " |", "|---|" + "---:|" * len(tasks)]
+    """Paper-style table: one row per model, mean ± std (in %) per task, the data each task's column scores, and the
+    majority-class baseline as the last row."""
+    baseline = table.get(BASELINE_ROW, {})
+    titles = [
+        TABLE_COLUMNS[t][0] + (f" ({baseline[t]['data']})" if baseline.get(t, {}).get("data") else "") for t in tasks
+    ]
+    lines = ["| model | " + " | ".join(titles) + " |", "|---|" + "---:|" * len(tasks)]
     for model, cells in table.items():
+        if model == BASELINE_ROW:
+            continue
         values = [f"{100 * cells[t]['mean']:.2f} ± {100 * cells[t]['std']:.2f}" if t in cells else "-" for t in tasks]
         lines.append(f"| {model} | " + " | ".join(values) + " |")
+    if baseline:
+        values = [f"{100 * baseline[t]['mean']:.2f}" if t in baseline else "-" for t in tasks]
+        lines.append(f"| {BASELINE_ROW} | " + " | ".join(values) + " |")
     return "\n".join(lines)

@@ -341,6 +341,9 @@ class SwarmPosition:
     gradient_round_waiting: bool
     # hivemind pre-scheduled that all-reduce and is still matching it: a group may yet form around this peer
     gradient_round_matching: bool
+    # hivemind's estimate of the seconds until the swarm reaches the next global step (every peer's reported pace);
+    # None before this peer has measured its own pace
+    seconds_to_next_step: float | None = None
 
 
 def position(optimizer: hivemind.Optimizer) -> SwarmPosition:
@@ -359,7 +362,13 @@ def position(optimizer: hivemind.Optimizer) -> SwarmPosition:
         and not scheduled.done()
         and scheduled.stage == AveragingStage.AWAITING_TRIGGER,
         gradient_round_matching=_matching(scheduled),
+        seconds_to_next_step=_seconds_until(progress.eta_next_epoch),
     )
+
+
+def _seconds_until(dht_time: float) -> float | None:
+    left = dht_time - get_dht_time()
+    return left if 0 <= left < math.inf else None
 
 
 def gradient_rounds_in_background(optimizer: hivemind.Optimizer) -> bool:
@@ -558,6 +567,18 @@ def starting_peers(optimizer: hivemind.Optimizer) -> set[PeerID]:
         if isinstance(entry.value, dict) and "peer_id" in entry.value
     }
     return announced - reporting
+
+
+def progress_peers(optimizer: hivemind.Optimizer) -> set[str]:
+    """The peers (base58) that report training progress now (`tracker.training_progress_key`); a peer that left
+    cleanly stored an empty report, and a vanished one's report expires after --metadata_expiration seconds."""
+    found = optimizer.dht.get(optimizer.tracker.training_progress_key, latest=True)
+    entries = found.value if found is not None and isinstance(found.value, dict) else {}
+    return {
+        PeerID(entry.value["peer_id"]).to_base58()
+        for entry in entries.values()
+        if isinstance(entry.value, dict) and "peer_id" in entry.value
+    }
 
 
 # how hivemind reports an averaging round's end (at the optimizer's status level, INFO with verbose=True)

@@ -1,7 +1,6 @@
 """Per-peer training metrics in the DHT, signed and schema-checked, and their aggregation (a pure function)."""
 
 from collections import Counter
-from dataclasses import dataclass
 
 import hivemind
 import pydantic.v1 as pydantic
@@ -9,15 +8,40 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.utils.timed_storage import get_dht_time
 
+# steps a trainer's record repeats (its last ones): a monitor that reads every few steps still sees each step
+RECENT_STEPS = 16
+PEER_STATUSES = ("training", "finished", "stopped")
+
+
+class StepEntry(pydantic.BaseModel):
+    """One trainer's part in one global step."""
+
+    step: pydantic.conint(ge=0, strict=True)
+    loss: pydantic.StrictFloat  # SUM of the mini-step losses
+    mini_steps: pydantic.conint(ge=0, strict=True)
+    samples: pydantic.conint(ge=0, strict=True)
+    samples_per_second: pydantic.confloat(ge=0.0, strict=True)
+
 
 class LocalMetrics(pydantic.BaseModel):
-    """What one trainer reports after each global step it took part in."""
+    """What one trainer reports after each global step it took part in, and once more when it ends."""
 
     step: pydantic.conint(ge=0, strict=True)  # the global step just finished
     samples_per_second: pydantic.confloat(ge=0.0, strict=True)
     samples_accumulated: pydantic.conint(ge=0, strict=True)  # this peer's samples in that step
     loss: pydantic.StrictFloat  # SUM of the mini-step losses, so the swarm's mean is sum(loss) / sum(mini_steps)
     mini_steps: pydantic.conint(ge=0, strict=True)
+    peer_id: pydantic.constr(strict=True, max_length=128) = ""  # base58, as the peer's own log names it
+    samples_contributed: pydantic.conint(ge=0, strict=True) = 0  # since it started, as its log counts them
+    recent: pydantic.conlist(StepEntry, max_items=RECENT_STEPS) = []  # its last steps, oldest first
+    status: pydantic.constr(strict=True, regex="^(" + "|".join(PEER_STATUSES) + ")$") = "training"
+
+
+class ArchiveRecord(pydantic.BaseModel):
+    """An aux peer that keeps the run's checkpoints: the last final model it saved, and how often it looks."""
+
+    step: pydantic.conint(ge=0, strict=True)  # the global step of the last final model it saved (0: none yet)
+    refresh_period: pydantic.confloat(gt=0.0, strict=True)  # seconds between its reads of the swarm's records
 
 
 class StartRecord(pydantic.BaseModel):
@@ -51,6 +75,8 @@ class MetricSchema(pydantic.BaseModel):
     # a trainer's final parameter round ended for it: the round's other peers stay up until each of them has its
     # results, and settle on one peer's parameters if a part came back partial (trainer.TrainerPeer._end_together)
     finished: dict[BytesWithPublicKey, FinishedRecord]
+    # aux peers that save the run's final model: trainers that end the run stay up until one has it
+    archive: dict[BytesWithPublicKey, ArchiveRecord]
 
 
 def metrics_key(run_id: str) -> str:
@@ -126,6 +152,28 @@ def fetch_finished(dht: hivemind.DHT, run_id: str, step: int) -> list[FinishedRe
     return [record for record in records if record.step == step]
 
 
+def fetch_all_finished(dht: hivemind.DHT, run_id: str) -> list[FinishedRecord]:
+    """Every current record of a final round's end, whatever its step."""
+    return list(_valid_records(dht, f"{run_id}_finished", FinishedRecord).values())
+
+
+def announce_archive(dht: hivemind.DHT, run_id: str, public_key: bytes, record: ArchiveRecord):
+    """Tell the trainers that this aux peer saves the run's final model (non-blocking); announced at every refresh,
+    it lives three refresh periods (at least a minute)."""
+    return dht.store(
+        key=f"{run_id}_archive",
+        subkey=public_key,
+        value=record.dict(),
+        expiration_time=get_dht_time() + max(60.0, 3 * record.refresh_period),
+        return_future=True,
+    )
+
+
+def fetch_archives(dht: hivemind.DHT, run_id: str) -> list[ArchiveRecord]:
+    """The aux peers that save the run's final model, as they announced themselves."""
+    return list(_valid_records(dht, f"{run_id}_archive", ArchiveRecord).values())
+
+
 def fetch_announced_step(dht: hivemind.DHT, run_id: str) -> int:
     """The highest global step that a peer announced to serve (0 if none)."""
     items = _subkey_items(dht, f"{run_id}_state").values()
@@ -152,28 +200,3 @@ def _valid_records(dht: hivemind.DHT, key: str, model: type[pydantic.BaseModel])
 def fetch(dht: hivemind.DHT, run_id: str) -> dict[bytes, LocalMetrics]:
     """All current, validated records of the run, keyed by the writer's public key."""
     return _valid_records(dht, metrics_key(run_id), LocalMetrics)
-
-
-@dataclass(frozen=True)
-class SwarmSummary:
-    step: int
-    loss: float  # mean loss per mini-step across the peers that reported this step
-    alive_peers: int
-    samples_per_second: float
-    samples_accumulated: int
-
-
-def aggregate(records: list[LocalMetrics]) -> SwarmSummary | None:
-    """Summarize the newest step that peers reported: loss = sum of losses / sum of mini-steps."""
-    if not records:
-        return None
-    step = max(r.step for r in records)
-    latest = [r for r in records if r.step == step]
-    mini_steps = sum(r.mini_steps for r in latest)
-    return SwarmSummary(
-        step=step,
-        loss=sum(r.loss for r in latest) / mini_steps if mini_steps else float("nan"),
-        alive_peers=len(records),
-        samples_per_second=sum(r.samples_per_second for r in records),
-        samples_accumulated=sum(r.samples_accumulated for r in latest),
-    )

@@ -6,6 +6,7 @@ A config (a preset, a file, a checkpoint or a Hub name) is LeanALBERT by its fie
 
 import json
 import logging
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -136,7 +137,9 @@ def load_pretrained(model_class, path: str | Path, **kwargs):
     if folder.is_dir() and not (folder / "config.json").is_file():
         raise UserError(f"'{path}' is not a model checkpoint: it has no config.json")
     try:
-        return model_class.from_pretrained(str(path), **kwargs)
+        # transformers logs a many-line load report (at WARNING) whenever a head is new: one line here says the same
+        with quiet_logger("transformers.modeling_utils"):
+            model, info = model_class.from_pretrained(str(path), output_loading_info=True, **kwargs)
     except Exception as e:  # OSError, ValueError, safetensors' SafetensorError, torch's unpickling errors, ...
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if not folder.exists():
@@ -147,6 +150,26 @@ def load_pretrained(model_class, path: str | Path, **kwargs):
             f"cannot load the model in '{path}' ({type(e).__name__}: {first_line}): the checkpoint is incomplete or "
             "damaged; use another one (a peer's output_dir keeps the last few)"
         ) from e
+    new, unused = info.get("missing_keys", []), info.get("unexpected_keys", [])
+    if new or unused:
+        heads = sorted({key.split(".")[0] for key in new})
+        logger.info(
+            f"loaded {path}: {len(new)} new tensors ({', '.join(heads)}) start freshly initialized"
+            + (f", {len(unused)} of the checkpoint's tensors (a head of another task) are not used" if unused else "")
+        )
+    return model
+
+
+@contextmanager
+def quiet_logger(name: str, level: int = logging.ERROR):
+    """Raise the logger `name`'s level for the duration of the block."""
+    library_logger = logging.getLogger(name)
+    previous = library_logger.level
+    library_logger.setLevel(level)
+    try:
+        yield
+    finally:
+        library_logger.setLevel(previous)
 
 
 def build_model(model: str, tokenizer, seed: int, checkpoint: str | Path | None = None) -> PreTrainedModel:

@@ -178,3 +178,15 @@ def settle(records: list[FinishedRecord]) -> Settlement:
         if record.peer_id != source.peer_id and not (record.complete and source.complete)
     )
     return Settlement(source.peer_id, takers)
+
+
+def final_source(records: list[FinishedRecord]) -> str | None:
+    """The peer (base58) whose parameters are the run's final model, by the rule `settle` follows: the source a
+    partial round settled on, else the lowest peer id among the complete peers that serve their state, else among
+    all that serve it; None if none serves it (client-mode peers only)."""
+    settled = settle(records).source
+    if settled is not None:
+        return settled
+    servers = [record for record in records if record.serves_state]
+    candidates = [record for record in servers if record.complete] or servers
+    return min((record.peer_id for record in candidates), default=None)

@@ -126,6 +126,25 @@ def hub_offline() -> bool:
 
 
 HUB_OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+# seconds to wait for the Hub's answer before a load that would retry for about a minute is called off
+HUB_PROBE_TIMEOUT = 5.0
+
+
+def hub_unreachable(timeout: float = HUB_PROBE_TIMEOUT) -> str | None:
+    """Why the Hub (huggingface_hub's endpoint, through the environment's proxies) gives no answer; None if it answers
+    (with any HTTP status)."""
+    import urllib.error
+    import urllib.request
+
+    from huggingface_hub import constants
+
+    try:
+        urllib.request.urlopen(urllib.request.Request(constants.ENDPOINT, method="HEAD"), timeout=timeout).close()
+    except urllib.error.HTTPError:
+        return None
+    except (OSError, ValueError) as e:
+        return str(getattr(e, "reason", e))
+    return None
 
 
 def looks_like_a_path(name: str) -> bool:

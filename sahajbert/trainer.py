@@ -9,6 +9,7 @@ import hashlib
 import logging
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -53,6 +54,14 @@ SETTLE_MATCHMAKING_TIMES = 2
 DROPPED_PASSES_BEFORE_ROLLBACK = 3
 # seconds between reads of the final round's declarations while a peer waits for its groupmates' (one DHT get each)
 FINISHED_POLL_PERIOD = 0.5
+# seconds a trainer that ended the run waits, beyond an aux peer's own refresh period, for that aux peer to have saved
+# the final model (it downloads it from a trainer, at most a state download's time)
+ARCHIVE_WAIT_MARGIN = 10.0
+# seconds a trainer waits for its last metrics record (its end) to be stored before it leaves
+LAST_RECORD_WAIT = 10.0
+# a global step that the swarm's pace makes longer than this (seconds) is said once, with what to try instead
+SLOW_STEP_SECONDS = 3600.0
+SMALL_MODELS = ("tiny", "tiny-xl")
 
 
 @dataclass
@@ -92,6 +101,26 @@ def parameters_digest(parameters: list[torch.Tensor]) -> str:
     return digest.hexdigest()[:32]
 
 
+def slow_pace_warning(position: compat.SwarmPosition, model: str, device_kind: str) -> str | None:
+    """What to tell a user whose swarm, at its present pace, takes over SLOW_STEP_SECONDS per global step."""
+    remaining = position.target_batch_size - position.samples_accumulated
+    if position.seconds_to_next_step is None or position.seconds_to_next_step <= 0 or remaining <= 0:
+        return None
+    samples_per_second = remaining / position.seconds_to_next_step
+    step_seconds = position.target_batch_size / samples_per_second
+    if step_seconds < SLOW_STEP_SECONDS:
+        return None
+    hint = (
+        f"; the {model} model on a CPU is for real runs on many peers: to try things out, use --model tiny"
+        if device_kind == "cpu" and model not in SMALL_MODELS
+        else ": more peers, or a smaller --target_batch_size, make steps shorter"
+    )
+    return (
+        f"at the swarm's pace ({samples_per_second:.2f} samples/s), a global step of {position.target_batch_size} "
+        f"samples takes about {step_seconds / 3600:.1f} h{hint}"
+    )
+
+
 def start_priority(unix_time: float) -> float:
     """A state priority in (0, 0.5] at step 0 that is higher the earlier a peer started (hivemind sets the
     priority to the global step at every step after it, so it only orders peers of a new run). 2^24 s cycle:
@@ -108,6 +137,7 @@ class TrainerPeer(SwarmPeer):
         validate_initial_peers(swarm_args.initial_peers)  # answer a typo at once, before loading anything
         self.tokenizer = load_tokenizer(peer_args.corpus_args.tokenizer_path)
         device_info = describe_device(training_args.device)
+        self.device_kind = device_info.kind
         precision = choose_precision(device_info, training_args.precision)
         if peer_args.optimizer_args.diloco_inner_steps and precision == "fp16" and training_args.precision == "auto":
             precision = "fp32"
@@ -169,9 +199,11 @@ class TrainerPeer(SwarmPeer):
         self.counters = StepCounters()
         self.last_step = self.optimizer.local_epoch  # the global step of the last record
         self.contributed = 0  # samples this peer contributed to global steps, since it started
+        self.recent_steps: deque[metrics.StepEntry] = deque(maxlen=metrics.RECENT_STEPS)  # published with each record
         self.dropped_passes = 0
         self.result = TrainResult(final_step=self.optimizer.local_epoch)
         self._last_progress_line = time.monotonic()
+        self._pace_told = False
         self.stop: StopRequest | None = None  # set by run()
 
     def _build_model(self, resume_from: Path | None, device_info: DeviceInfo) -> torch.nn.Module:
@@ -372,14 +404,15 @@ class TrainerPeer(SwarmPeer):
         self.contributed += counters.samples
         samples_per_second = compat.own_samples_per_second(self.optimizer)
         if self.optimizer.is_synchronized_with_peers():  # a peer that is behind would report a stale step
-            local = metrics.LocalMetrics(
+            entry = metrics.StepEntry(
                 step=step,
-                samples_per_second=samples_per_second,
-                samples_accumulated=counters.samples,
                 loss=float(counters.loss_sum),
                 mini_steps=counters.passes,
+                samples=counters.samples,
+                samples_per_second=samples_per_second,
             )
-            metrics.publish(self.dht, self.args.swarm_args.run_id, self.public_key, local)
+            self.recent_steps.append(entry)
+            self._publish_metrics("training")
         record = StepRecord(
             step=step,
             loss=counters.loss_sum / max(1, counters.passes),
@@ -400,6 +433,22 @@ class TrainerPeer(SwarmPeer):
         )
         return record
 
+    def _publish_metrics(self, status: str):
+        """This peer's record for the monitors: its last step, its last steps, its samples so far and its status."""
+        last = self.recent_steps[-1] if self.recent_steps else None
+        local = metrics.LocalMetrics(
+            step=last.step if last else self.optimizer.local_epoch,
+            samples_per_second=last.samples_per_second if last else 0.0,
+            samples_accumulated=last.samples if last else 0,
+            loss=last.loss if last else 0.0,
+            mini_steps=last.mini_steps if last else 0,
+            peer_id=self.dht.peer_id.to_base58(),
+            samples_contributed=self.contributed,
+            recent=list(self.recent_steps),
+            status=status,
+        )
+        return metrics.publish(self.dht, self.args.swarm_args.run_id, self.public_key, local)
+
     def _log_progress(self) -> None:
         """Every --log_every_seconds: the swarm's progress toward the next global step."""
         if time.monotonic() - self._last_progress_line < self.args.training_args.log_every_seconds:
@@ -416,21 +465,36 @@ class TrainerPeer(SwarmPeer):
             f"this peer {compat.own_samples_per_second(self.optimizer):.1f} samples/s"
         )
         self._last_progress_line = time.monotonic()
+        warning = (
+            None
+            if inner is not None or self._pace_told
+            else slow_pace_warning(position, self.args.model_args.model, self.device_kind)
+        )
+        if warning:
+            logger.warning(warning)
+            self._pace_told = True
 
     def _finish(self, stopped: bool) -> TrainResult:
         """Apply what still runs in the background, take part in the final round, write the final checkpoint."""
         pending_wait = STOP_PENDING_WAIT if stopped else self._pending_update_timeout
         self._apply_pending_updates(pending_wait)
-        averaged_at_end = 0
         if self.final_round is not None and not stopped:
             recent_peers = FinalRound.recent_peers([record.peers for record in self.result.steps])
-            averaged_at_end = self.final_round.run(self.optimizer, recent_peers)
+            self.final_round.run(self.optimizer, recent_peers)
             self._end_together(self.final_round.group, self.final_round.complete)
         self.compute.finish()  # an XLA device copy ends with the final parameters too
         self.result.final_step = self.optimizer.local_epoch
-        # always written again at the end: a background round may have changed the parameters after the last save
-        if self.result.steps or averaged_at_end:
-            self._save(self.result.steps[-1].loss if self.result.steps else None, pending_wait, final=True)
+        # always written at the end, also before this peer's first global step (a restart then resumes from the state
+        # it started from or downloaded, not from scratch), and again after the last save: a background round may
+        # have changed the parameters since
+        self._save(self.result.steps[-1].loss if self.result.steps else None, pending_wait, final=True)
+        last_record = self._publish_metrics("stopped" if stopped else "finished")
+        if self.final_round is not None and not stopped and not self.dht.client_mode:
+            self._wait_for_archive(self.optimizer.local_epoch)
+        try:
+            last_record.result(timeout=LAST_RECORD_WAIT)
+        except Exception as e:  # the monitors then see this peer depart instead: worth a line, not a failure
+            logger.info(f"could not store this peer's last record for the monitors: {type(e).__name__}")
         logger.info(f"stopped at global step {self.optimizer.local_epoch}" + (" (stop requested)" if stopped else ""))
         return self.result
 
@@ -479,6 +543,22 @@ class TrainerPeer(SwarmPeer):
                 self.timing.load_state_timeout,
                 "not every peer took this peer's final parameters: leaving anyway",
             )
+
+    def _wait_for_archive(self, step: int) -> None:
+        """If an aux peer saves the run's final model, stay up (serving this peer's state) until it has saved the model
+        of `step`, at most a state download's time after its next look."""
+        run_id = self.args.swarm_args.run_id
+        archives = metrics.fetch_archives(self.dht, run_id)
+        if not archives:
+            return
+        deadline = time.monotonic() + self.timing.load_state_timeout + max(a.refresh_period for a in archives)
+        deadline += ARCHIVE_WAIT_MARGIN
+        logger.info(f"waiting for the aux peer to save the final model of step {step}")
+        while not any(archive.step >= step for archive in metrics.fetch_archives(self.dht, run_id)):
+            if time.monotonic() >= deadline:
+                logger.info("the aux peer did not say it saved the final model: leaving anyway")
+                return
+            time.sleep(FINISHED_POLL_PERIOD)
 
     def _await_final_records(
         self, peers: set[str], done, timeout: float, giving_up: str

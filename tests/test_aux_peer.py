@@ -14,31 +14,88 @@ from transformers import AlbertForPreTraining, AutoModel
 
 from sahajbert.checkpoints import list_checkpoints
 from sahajbert.localswarm import PeerProcess, wait_for
-from sahajbert.metrics import LocalMetrics, SwarmSummary
-from sahajbert.monitor import SwarmMonitor
+from sahajbert.metrics import RECENT_STEPS, LocalMetrics, StepEntry
+from sahajbert.monitor import FinalModel, SwarmMonitor
 from sahajbert.train_log import read_train_log
 
 from .swarm_helpers import first_peer, kill_orphans, require, signed_dhts, start_peer
 from .wandb_reader import history
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+EXPIRING = ("--metadata_expiration", "20")
 
 
-def test_monitor_counts_each_peers_samples_once_per_step():
+def test_the_monitor_has_one_point_per_global_step_and_each_peers_own_count_and_status():
+    """Read every third step, the monitor still has every step (each record repeats the peer's last steps); the
+    peers are named and counted as their logs name and count them; a peer that ends says so, one that vanishes from
+    the swarm's progress has departed, and the run ends when no peer trains."""
     monitor = SwarmMonitor("run")
-    a, b = b"key-a", b"key-b"
-    record = lambda step, samples: LocalMetrics(  # noqa: E731
-        step=step, samples_per_second=2.0, samples_accumulated=samples, loss=4.0, mini_steps=2
-    )
-    assert isinstance(monitor.update({a: record(1, 10), b: record(1, 30)}, now=100.0), SwarmSummary)
-    assert monitor.update({a: record(1, 10), b: record(1, 30)}, now=101.0) is None, "the same step twice"
-    summary = monitor.update({a: record(2, 20), b: record(1, 30)}, now=102.0)
-    assert summary.step == 2 and summary.loss == 2.0
-    state = monitor.state(now=105.0)
-    assert state["global_step"] == 2 and [h["step"] for h in state["history"]] == [1, 2]
-    contributed = {p["samples_contributed"] for p in state["peers"]}
-    assert contributed == {30}, "10 + 20 for a, 30 for b (its step-1 record counted once)"
-    assert {p["last_seen_seconds_ago"] for p in state["peers"]} == {3.0, 5.0}
+    entries = {name: [] for name in ("QmA", "QmB")}
+
+    def records(step, statuses=("training", "training")):
+        out = {}
+        for (name, status), share in zip(zip(entries, statuses), (1, 3)):
+            entries[name].append(
+                StepEntry(step=step, loss=2.0 * share, mini_steps=share, samples=8 * share, samples_per_second=1.0)
+            )
+            recent = entries[name][-RECENT_STEPS:]
+            out[name.encode()] = LocalMetrics(
+                step=step,
+                samples_per_second=1.0,
+                samples_accumulated=8 * share,
+                loss=2.0 * share,
+                mini_steps=share,
+                peer_id=name,
+                samples_contributed=sum(e.samples for e in entries[name]),
+                recent=recent,
+                status=status,
+            )
+        return out
+
+    for step in range(1, 10):
+        latest = records(step)
+        if step % 3 == 0:
+            assert [p["step"] for p in monitor.update(latest, now=step, live_peers={"QmA", "QmB"})] == [
+                step - 2,
+                step - 1,
+                step,
+            ]
+    state = monitor.state(now=10.0)
+    assert [p["step"] for p in state["history"]] == list(range(1, 10)) and state["global_step"] == 9
+    assert all(p["samples"] == 32 and p["peers"] == 2 and p["loss"] == 2.0 for p in state["history"])
+    assert {p["peer"]: p["samples_contributed"] for p in state["peers"]} == {"QmA": 72, "QmB": 216}
+    assert state["alive_peers"] == 2 and state["run_status"] == "training: global step 9"
+    # QmA ends the run; QmB's progress report vanishes (killed): departed
+    monitor.update(records(10, ("finished", "training")), now=11.0, live_peers={"QmA"})
+    state = monitor.state(now=12.0)
+    assert {p["peer"]: p["status"] for p in state["peers"]} == {"QmA": "finished", "QmB": "departed"}
+    assert state["alive_peers"] == 0 and state["run_status"] == "run finished at step 10"
+    monitor.final = FinalModel(10, "QmA", "checkpoint-10")
+    assert monitor.state(now=12.0)["run_status"] == "run finished at step 10; final model: checkpoint-10"
+
+
+def test_a_record_with_its_last_steps_fits_the_dhts_record_bound_and_reads_back():
+    from sahajbert.metrics import fetch, publish
+
+    run_id = "bound"
+    entries = [
+        StepEntry(step=10**6 + i, loss=123.456789, mini_steps=1000, samples=10**6, samples_per_second=1234.5678)
+        for i in range(RECENT_STEPS)
+    ]
+    with signed_dhts(run_id, 2) as ((writer, key), (reader, _)):
+        record = LocalMetrics(
+            step=10**6 + RECENT_STEPS - 1,
+            samples_per_second=1234.5678,
+            samples_accumulated=10**6,
+            loss=123.456789,
+            mini_steps=1000,
+            peer_id=writer.peer_id.to_base58(),
+            samples_contributed=10**12,
+            recent=entries,
+            status="finished",
+        )
+        assert publish(writer, run_id, key, record).result(timeout=30), "stored within the record bound"
+        assert wait_for(lambda: fetch(reader, run_id).get(key), 30, "the record on the other peer") == record
 
 
 def test_a_start_record_naming_a_trainer_that_another_signer_names_too_is_not_trusted():
@@ -130,8 +187,10 @@ class AuxSwarm:
             *("--dashboard_port", "0", "--push_to_hub", "--hub_model_id", "test-org/sahajbert-test"),
             *("--upload_interval", "2", "--assist_in_averaging", "--verbose"),
         )
+        # progress reports that expire 20 s after a peer vanished: the monitor marks the killed trainers departed soon
         self.trainers = [
-            trainer(tmp_path, f"t{i}", self.RUN_ID, self.initial_peers, "--max_steps", "100") for i in range(2)
+            trainer(tmp_path, f"t{i}", self.RUN_ID, self.initial_peers, "--max_steps", "100", *EXPIRING)
+            for i in range(2)
         ]
         self.orphans = []
 
@@ -185,7 +244,10 @@ def test_the_dashboard_shows_the_swarms_numbers_in_a_browser(aux_swarm):
     assert table.count("<tr>") == 2, "one table row per trainer"
     assert '<path d="M' in dom, "the charts were drawn"
     for peer in state["peers"]:
-        assert f"<td>{peer['peer']}</td>" in table
+        assert f"<td>{peer['peer']}</td><td>training</td>" in table
+    # the peers are named as their own logs name them
+    logged = {re.search(r"joined the swarm as peer (\S+)", t.output()).group(1) for t in aux_swarm.trainers}
+    assert {peer["peer"] for peer in state["peers"]} == logged
 
 
 @pytest.mark.slow
@@ -212,6 +274,10 @@ def test_the_aux_peer_checkpoints_logs_uploads_and_rescues_the_run(aux_swarm, tm
     aux_swarm.kill_trainers()  # all trainers die
     organizer, monitor, trainers = aux_swarm.organizer, aux_swarm.monitor, aux_swarm.trainers
     wait_for(lambda: not any(p.running() for p in trainers), 30, "the trainers to die")
+    # the monitor marks them departed once their progress reports expire, and counts none training
+    departed = lambda: [p["status"] for p in aux_swarm.api_state()["peers"]] == ["departed", "departed"]  # noqa: E731
+    wait_for(departed, 90, "both killed trainers shown departed")
+    assert aux_swarm.api_state()["alive_peers"] == 0
     aux_swarm.stop()
     # the busiest DHT traffic of the suite (a monitor refreshing every second, two trainers, a dashboard) stays within
     # every peer's DHT request bounds (hivemind_compat.BoundedDHTProtocol): no honest request was refused
@@ -246,15 +312,58 @@ def test_the_aux_peer_checkpoints_logs_uploads_and_rescues_the_run(aux_swarm, tm
     # rescue: every peer is gone; an aux peer serves the last checkpoint to a new swarm
     run_id = AuxSwarm.RUN_ID
     organizer, initial_peers = first_peer(tmp_path / "fp2", run_id)
-    rescue = aux(tmp_path, "rescue", run_id, initial_peers, "--initial_state", str(last_checkpoint))
-    newcomer = None
+    # the rescue aux peer also shows the new run on its dashboard, reading the records every 5 s (not every step)
+    rescue = aux(
+        tmp_path,
+        "rescue",
+        run_id,
+        initial_peers,
+        "--initial_state",
+        str(last_checkpoint),
+        "--dashboard_port",
+        "0",
+        "--refresh_period",
+        "5",
+    )
+    newcomer, final_step = None, last_step_saved + 2
     try:
         wait_for(lambda: "serving the state of" in rescue.output(), 120, "the rescue aux peer")
-        newcomer = trainer(tmp_path, "newcomer", run_id, initial_peers, "--max_steps", str(last_step_saved + 2))
+        newcomer = trainer(tmp_path, "newcomer", run_id, initial_peers, "--max_steps", str(final_step))
         assert newcomer.wait(300) == 0, newcomer.output()[-3000:]
+        # the trainer that ended the run stayed up until the aux peer had saved its final model
+        assert "waiting for the aux peer to save the final model" in newcomer.output()
+        assert f"saved the swarm's final model (step {final_step}, from peer" in rescue.output(), rescue.output()
+        url = re.search(r"dashboard at (http://\S+/)", rescue.output()).group(1)
+        state = json.loads(urllib.request.urlopen(url + "api/state", timeout=10).read())
+        dom = dashboard_dom(url)
     finally:
         for process in [p for p in (newcomer, rescue, organizer) if p]:
             process.stop()
     assert f"joined at global step {last_step_saved}" in newcomer.output()
-    steps = [record.step for record in read_train_log(tmp_path / "newcomer")]
-    assert steps == [last_step_saved + 1, last_step_saved + 2], f"resumed at the served step {last_step_saved}"
+    records = read_train_log(tmp_path / "newcomer")
+    steps = [record.step for record in records]
+    assert steps == [last_step_saved + 1, final_step], f"resumed at the served step {last_step_saved}"
+
+    # the aux peer's last checkpoint is the run's final model: the trainer's own final parameters (sent in fp16)
+    aux_last = list_checkpoints(tmp_path / "rescue")[-1]
+    own_last = list_checkpoints(tmp_path / "newcomer")[-1]
+    assert aux_last[0] == own_last[0] == final_step
+    assert json.loads((aux_last[1] / "state.json").read_text())["final"] is True
+    final, own = AutoModel.from_pretrained(aux_last[1]), AutoModel.from_pretrained(own_last[1])
+    for (name, tensor), theirs in zip(final.state_dict().items(), own.state_dict().values()):
+        torch.testing.assert_close(tensor, theirs, rtol=1e-3, atol=1e-3, msg=name)
+
+    # the dashboard, in a real browser, agrees with the trainer's log: its steps, its id, its samples, its end
+    require(CHROMIUM is not None, "chromium", "apt-get install chromium (.ci/run does)")
+    peer_id = re.search(r"joined the swarm as peer (\S+)", newcomer.output()).group(1)
+    contributed = int(re.findall(r"this peer contributed (\d+) samples so far", newcomer.output())[-1])
+    assert contributed == sum(record.samples for record in records)
+    assert [point["step"] for point in state["history"]] == steps, "one point per global step"
+    assert [point["samples"] for point in state["history"]] == [record.samples for record in records]
+    assert int(re.search(r'id="global_step">(\d+)<', dom).group(1)) == final_step
+    status = re.search(r'id="run_status">([^<]*)<', dom).group(1)
+    assert status == f"run finished at step {final_step}; final model: checkpoint-{final_step}", status
+    table = re.search(r'<tbody id="peers">(.*?)</tbody>', dom, re.S).group(1)
+    assert f"<tr><td>{peer_id}</td><td>finished</td><td>{final_step}</td><td>{contributed}</td>" in table, table
+    loss_chart = re.search(r'<svg id="chart_loss"[^>]*>(.*?)</svg>', dom, re.S).group(1)
+    assert loss_chart.count('class="pt"') == len(steps), loss_chart

@@ -17,6 +17,7 @@ from sahajbert.checkpoints import latest_checkpoint
 from sahajbert.cli import parse_args
 from sahajbert.finetuning import (
     NER_LABELS,
+    TASKS,
     encode_ner,
     encode_news,
     load_model_tokenizer,
@@ -30,6 +31,7 @@ from sahajbert.localswarm import peer_env, tiny_trainer_flags
 from sahajbert.model import load_model
 from sahajbert.samples import SAMPLE_TOKENIZER
 from sahajbert.signals import StopRequest
+from sahajbert.tokenization import HUB_OFFLINE_VARIABLES
 from sahajbert.trainer import TrainerPeer
 
 from .swarm_helpers import ROOT, assert_one_error, run_main
@@ -115,6 +117,8 @@ def test_ner_learns_and_writes_results(pretrained, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     # the final validation and test scores are not epochs: early stopping has nothing to say about them
     assert "early stopping is disabled" not in result.stderr, result.stderr[-3000:]
+    # the new head is said in one line, not in transformers' load-report table
+    assert "LOAD REPORT" not in result.stderr and "new tensors (classifier) start freshly" in result.stderr
     results = json.loads((tmp_path / "results.json").read_text())
     assert set(results["test"]) >= {"precision", "recall", "f1"}
     assert results["test"]["f1"] > results["majority_baseline_test"]["f1"] + 0.3, results["test"]
@@ -233,8 +237,13 @@ def test_evaluate_prints_the_table(pretrained, tmp_path):
         env=peer_env(),
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "| model | NER F1 (WikiANN bn) | News accuracy (sna.bn) |" in result.stdout
+    # the columns name the data the scores come from (the local test files here), the last row the majority class
+    assert "| model | NER F1 (ner_test.jsonl) | News accuracy (news_test.csv) |" in result.stdout, result.stdout
     assert " ± " in result.stdout.split("| model |", 1)[1]
+    baseline = next(line for line in result.stdout.splitlines() if line.startswith("| majority-class baseline |"))
+    saved = json.loads((tmp_path / "results.json").read_text())
+    news_baseline = saved["runs"][-1]["majority_baseline_test"]["accuracy"]
+    assert baseline == f"| majority-class baseline | 0.00 | {100 * news_baseline:.2f} |", baseline
     saved = json.loads((tmp_path / "results.json").read_text())
     assert len(saved["runs"]) == 4 and len(saved["table"][pretrained]["ner"]["scores"]) == 2
     assert "fine-tuned with the sahajbert-xl protocol" in result.stdout
@@ -276,10 +285,40 @@ def test_only_the_first_sub_token_is_labelled(tokenizer):
 
 
 def test_summary_table():
-    runs = [{"task": "ner", "model_name_or_path": "m", "test": {"f1": f}} for f in (0.9, 0.8)]
+    runs = [
+        {"task": "ner", "model_name_or_path": "m", "test": {"f1": f}, "majority_baseline_test": {"f1": 0.0}}
+        for f in (0.9, 0.8)
+    ]
+    runs = [{**run, "data": "WikiANN bn"} for run in runs]
     table = summarize(runs)
     assert table["m"]["ner"]["mean"] == pytest.approx(0.85) and table["m"]["ner"]["std"] == pytest.approx(0.05)
-    assert "85.00 ± 5.00" in markdown_table(table, ["ner", "ncc"])
+    lines = markdown_table(table, ["ner", "ncc"]).splitlines()
+    assert lines[0] == "| model | NER F1 (WikiANN bn) | News accuracy |"
+    assert lines[2:] == ["| m | 85.00 ± 5.00 | - |", "| majority-class baseline | 0.00 | - |"]
+
+
+@pytest.mark.parametrize("task", ["ner", "ncc"])
+def test_without_the_hub_the_error_names_the_bundled_sample_files(task, tmp_path, capsys, monkeypatch):
+    """Offline, a run on the Hub's dataset ends at once with one line that gives the sample's flags: with the Hub
+    switched off (as the tests run), and with the Hub unreachable (its address a closed local port here)."""
+    from huggingface_hub import constants
+
+    files = TASKS[task].sample_files
+    args = ["--model_name_or_path", str(SAMPLE_TOKENIZER), "--output_dir", str(tmp_path / "o")]
+    line = assert_one_error(
+        *run_main(f"finetune/train_{task}.py", args, capsys), f"--train_file finetune/sample/{files[0]}"
+    )
+    assert f"--test_file finetune/sample/{files[2]}" in line and "offline, fine-tune on local files" in line
+    for name in HUB_OFFLINE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    line = assert_one_error(*run_main(f"finetune/train_{task}.py", args, capsys), "the Hub is unreachable")
+    assert f"--train_file finetune/sample/{files[0]}" in line
+    # the model by its Hub name, likewise: one line, before anything retries
+    args = ["--model_name_or_path", "neuropark/sahajBERT", *NER_FILES, "--output_dir", str(tmp_path / "o")]
+    assert_one_error(
+        *run_main("finetune/train_ner.py", args, capsys), "no such folder here, and the Hub is unreachable"
+    )
 
 
 @pytest.mark.parametrize(

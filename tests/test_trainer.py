@@ -1,9 +1,11 @@
 """TrainerPeer in this process, alone in its swarm: the whole loop on the tiny model, in seconds."""
 
+import logging
 import re
 
 import torch
 
+from sahajbert import hivemind_compat as compat
 from sahajbert.arguments import PeerArguments
 from sahajbert.checkpoints import list_checkpoints
 from sahajbert.cli import parse_args
@@ -13,7 +15,7 @@ from sahajbert.model import build_model
 from sahajbert.signals import StopRequest
 from sahajbert.tokenization import load_tokenizer
 from sahajbert.train_log import StepRecord, read_train_log
-from sahajbert.trainer import TrainerPeer, parameters_digest
+from sahajbert.trainer import TrainerPeer, parameters_digest, slow_pace_warning
 
 
 def test_a_lone_trainer_makes_its_global_steps_logs_and_saves_them(tmp_path):
@@ -32,13 +34,21 @@ def test_a_lone_trainer_makes_its_global_steps_logs_and_saves_them(tmp_path):
     assert [step for step, _ in list_checkpoints(tmp_path)] == [2, 3] and result.checkpoint.name == "checkpoint-3"
 
 
-def test_a_stop_request_ends_the_loop_before_any_step(tmp_path):
+def test_a_stop_before_the_first_step_leaves_a_checkpoint_a_restart_resumes_from(tmp_path):
     (peer_args,) = parse_args((PeerArguments,), tiny_trainer_flags(max_steps=3, output_dir=tmp_path))
     stop = StopRequest()
     stop.event.set()
     with TrainerPeer(peer_args) as peer:
         result = peer.run(stop)
-    assert result.steps == [] and result.final_step == 0 and list_checkpoints(tmp_path) == []
+        stopped_with = parameters_digest(list(peer.model.parameters()))
+    assert result.steps == [] and result.final_step == 0
+    assert [step for step, _ in list_checkpoints(tmp_path)] == [0] and result.checkpoint.name == "checkpoint-0"
+    # another seed: a restart that started afresh would have other parameters than the ones it stopped with
+    (restart_args,) = parse_args(
+        (PeerArguments,), [*tiny_trainer_flags(max_steps=3, output_dir=tmp_path), "--seed", "7"]
+    )
+    with TrainerPeer(restart_args) as restarted:
+        assert parameters_digest(list(restarted.model.parameters())) == stopped_with
 
 
 def test_local_clipping_bounds_each_pass_before_it_is_handed_to_the_swarm(tmp_path):
@@ -76,3 +86,43 @@ def test_the_initial_parameters_digest_tells_one_seed_from_another():
             assert parameters_digest(parameters) != digests[0], index
             flat[-1] = kept
     assert parameters_digest(parameters) == digests[0]
+
+
+def test_a_step_that_would_take_hours_is_said_once_with_what_to_try(tmp_path, caplog):
+    """A lone trainer of the tiny model against a target of 10 million samples: hours per step at its own pace."""
+    flags = tiny_trainer_flags(target_batch_size=10_000_000, max_steps=3, output_dir=tmp_path)
+    (peer_args,) = parse_args((PeerArguments,), [*flags, "--log_every_seconds", "0"])
+    stop = StopRequest()
+
+    class StopOnceWarned(logging.Handler):
+        def emit(self, record):
+            if record.levelno >= logging.WARNING and "a global step of" in record.getMessage():
+                stop.event.set()
+
+    handler = StopOnceWarned()
+    logging.getLogger("sahajbert.trainer").addHandler(handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="sahajbert.trainer"), TrainerPeer(peer_args) as peer:
+            peer.run(stop)
+            # the pace is the swarm's: this peer alone, at the samples/s its own progress lines said
+            position = compat.position(peer.optimizer)
+    finally:
+        logging.getLogger("sahajbert.trainer").removeHandler(handler)
+    told = [
+        r.getMessage() for r in caplog.records if "a global step of 10000000 samples takes about" in r.getMessage()
+    ]
+    assert len(told) == 1 and "more peers, or a smaller --target_batch_size" in told[0], told
+    assert position.target_batch_size == 10_000_000
+
+
+def test_the_pace_warning_names_the_tiny_model_to_a_cpu_running_a_real_preset():
+    def at(seconds_left, accumulated=0, target=4096):
+        return compat.SwarmPosition(0, 0, 1, accumulated, target, False, False, seconds_left)
+
+    assert slow_pace_warning(at(None), "sahajbert", "cpu") is None, "no pace measured yet"
+    assert slow_pace_warning(at(600), "sahajbert", "cpu") is None, "10 minutes per step is no news"
+    # 0.1 samples/s: 4,096 samples in 11.4 h
+    line = slow_pace_warning(at(40_960 - 1_000, accumulated=100), "sahajbert", "cpu")
+    assert "(0.10 samples/s), a global step of 4096 samples takes about 11.4 h" in line, line
+    assert "use --model tiny" in line
+    assert "--model tiny" not in slow_pace_warning(at(40_960), "sahajbert", "cuda")

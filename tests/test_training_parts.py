@@ -27,8 +27,9 @@ from sahajbert.arguments import (
 )
 from sahajbert.cli import UserError
 from sahajbert.devices import DeviceInfo, choose_precision
-from sahajbert.metrics import LocalMetrics, aggregate
+from sahajbert.metrics import LocalMetrics, StepEntry
 from sahajbert.model import PRESETS_DIR, build_model, load_config
+from sahajbert.monitor import SwarmMonitor
 from sahajbert.optim import Lamb, lr_at_step, parameter_groups
 
 from .swarm_helpers import LOCAL, USER_SCRIPTS, script
@@ -357,16 +358,32 @@ def test_precision_policy_rejects_what_the_device_cannot_do(device, requested, m
         choose_precision(device, requested)
 
 
-def test_aggregate_is_loss_sum_over_mini_steps():
-    records = [
-        LocalMetrics(step=5, samples_per_second=10.0, samples_accumulated=64, loss=8.0, mini_steps=4),
-        LocalMetrics(step=5, samples_per_second=30.0, samples_accumulated=192, loss=12.0, mini_steps=12),
-        LocalMetrics(step=4, samples_per_second=5.0, samples_accumulated=32, loss=100.0, mini_steps=2),
-    ]
-    summary = aggregate(records)
-    assert summary.step == 5 and summary.loss == pytest.approx(20.0 / 16)
-    assert summary.alive_peers == 3 and summary.samples_per_second == 45.0 and summary.samples_accumulated == 256
-    assert aggregate([]) is None
+def test_the_monitors_step_loss_is_the_loss_sum_over_the_mini_steps_of_the_peers_in_it():
+    def record(step, samples_per_second, samples, loss, mini_steps):
+        entry = StepEntry(
+            step=step, loss=loss, mini_steps=mini_steps, samples=samples, samples_per_second=samples_per_second
+        )
+        return LocalMetrics(
+            step=step,
+            samples_per_second=samples_per_second,
+            samples_accumulated=samples,
+            loss=loss,
+            mini_steps=mini_steps,
+            recent=[entry],
+        )
+
+    monitor = SwarmMonitor("run")
+    monitor.update({b"a": record(5, 10.0, 64, 8.0, 4), b"b": record(5, 30.0, 192, 12.0, 12)}, now=0.0)
+    monitor.update({b"c": record(4, 5.0, 32, 100.0, 2)}, now=1.0)
+    four, five = monitor.history
+    assert five == {
+        "step": 5,
+        "loss": pytest.approx(20.0 / 16),
+        "samples": 256,
+        "samples_per_second": 40.0,
+        "peers": 2,
+    }
+    assert four["loss"] == 50.0 and four["peers"] == 1 and monitor.global_step == 5
 
 
 @pytest.mark.slow

@@ -464,12 +464,14 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
                 args.churn_every_steps and swarm_step >= next_churn_step
             )
             # each replacement starts STANDBY_STEPS global steps before its churn event (or at it, for churn in
-            # seconds), and the victim dies once the replacement has joined: how long a start takes on a busy
-            # machine must not decide whether the replacement meets the survivors before the run ends
+            # seconds), and the victim dies once the replacement has joined (at the latest STANDBY_STEPS + 1 steps
+            # before the run's last): how long a start takes on a busy machine must not decide whether the
+            # replacement meets the survivors before the run ends
             standby_due = args.churn_every_steps and swarm_step >= next_churn_step - STANDBY_STEPS
             if (due or standby_due) and standby is None and len(kills) < args.churn_events:
                 standby = start_trainer(2 + args.trainers + len(kills), client=False, newcomer=True)
-            if due and standby is not None and JOINED.search(trainers[standby].output()):
+            joined = standby is not None and JOINED.search(trainers[standby].output())
+            if due and standby is not None and (joined or swarm_step >= args.max_steps - STANDBY_STEPS - 1):
                 alive = [name for name, p in trainers.items() if p.running() and name != standby]
                 victim = alive[churn_slot % len(alive)]
                 trainers[victim].kill()

@@ -33,8 +33,9 @@ def test_quick_scenario_behind_nat_keeps_stepping_through_churn_and_ends_in_agre
     # replies come in); they book slots on the first peer's relay once AutoNAT finds them private and reach each
     # other through it (or directly, where libp2p's hole punching gets through). The trainers' defaults: delayed
     # parameter updates (DPU), then one final parameter round at --max_steps. The churn event SIGKILLs a trainer (a
-    # crash: its partner must go on) and starts a newcomer, which downloads the state and trains on. No relay takes the
-    # newcomer (--no_auto_relay): it falls back to client mode by itself and still trains with the survivor.
+    # crash: its partner must go on) once a newcomer, started two steps before, has downloaded the state and trains.
+    # No relay takes the newcomer (--no_auto_relay): it falls back to client mode by itself and trains with the
+    # survivor.
     before = namespaces()
     result_path = tmp_path / "result.json"
     run = subprocess.run(
@@ -69,8 +70,9 @@ def test_quick_scenario_behind_nat_keeps_stepping_through_churn_and_ends_in_agre
         assert "behind NAT: other peers reach this one through the relay" in logs[name], (name, logs[name][-3000:])
     newcomer = logs["trainer2"]
     assert "behind NAT and not reachable through a relay: joining again in client mode" in newcomer, newcomer[-3000:]
-    # in client mode it still averaged with the survivor: global steps, and the final round, of both
-    assert max(r.peers for r in read_train_log(tmp_path / "logs" / "trainer2")) == 2, newcomer[-3000:]
+    # in client mode it still averaged with the others (it joins before the churn event's victim dies): global steps,
+    # and the final round, with the survivor
+    assert max(r.peers for r in read_train_log(tmp_path / "logs" / "trainer2")) >= 2, newcomer[-3000:]
     assert result["seconds_per_round"] is not None, "gradient all-reduce rounds between NAT'd trainers finished"
     # the newcomer's state came from a trainer behind NAT: no other peer of this swarm holds one
     assert [d["servers_behind_nat"] for d in result["state_downloads"]] == [True], result["state_downloads"]

@@ -9,10 +9,10 @@ import time
 from pathlib import Path
 
 from sahajbert import adaptive, checkpoints, metrics
-from sahajbert import hivemind_compat as compat
 from sahajbert.arguments import AuxPeerArguments, PeerArguments
 from sahajbert.cli import UserError
 from sahajbert.dashboard import Dashboard
+from sahajbert.hivemind_ext.optim import accessors
 from sahajbert.model import build_model
 from sahajbert.monitor import SwarmMonitor
 from sahajbert.optim import build_collaborative_optimizer
@@ -171,7 +171,7 @@ class AuxPeer(SwarmPeer):
                     }
                 )
         latest = self.monitor.latest
-        swarm_step = max(latest.step if latest else 0, compat.position(self.optimizer).swarm_step)
+        swarm_step = max(latest.step if latest else 0, accessors.position(self.optimizer).swarm_step)
         if swarm_step >= self.saved_step + self.aux_args.checkpoint_every:
             self.saved_step = self._checkpoint() or self.saved_step
         if self.uploader is not None:
@@ -183,11 +183,11 @@ class AuxPeer(SwarmPeer):
         state = checkpoints.load_optimizer_state(checkpoint)
         if state is not None:
             self.optimizer.load_state_dict(state)
-            compat.follow_schedule(self.optimizer)  # the LR follows the restored global step
+            accessors.follow_schedule(self.optimizer)  # the LR follows the restored global step
         else:
-            compat.set_step(self.optimizer, checkpoints.read_state(checkpoint)["global_step"])
-        compat.prefer_as_state_donor(self.optimizer)
-        compat.report_step(self.optimizer, self.optimizer.local_epoch)
+            accessors.set_step(self.optimizer, checkpoints.read_state(checkpoint)["global_step"])
+        accessors.prefer_as_state_donor(self.optimizer)
+        accessors.report_step(self.optimizer, self.optimizer.local_epoch)
         logger.info(f"serving the state of {checkpoint} at global step {self.optimizer.local_epoch}")
 
     def _checkpoint(self) -> int | None:

@@ -74,7 +74,7 @@ def relay_options(auto_relay: bool, relays: list[str], reachability: str, client
       start-up, and one with these limits once AutoNAT finds the peer public; the later one takes the protocol
       over. So a relay must not force its reachability public (`--reachability public` makes the two start
       together, and either may win), and libp2p's bounds hold: asked for more than its 1 h reservation or
-      4 GiB, the second service fails to start (measured here with 24 h and with 1 TiB).
+      4 GiB (24 h or 1 TiB, say), the second service fails to start.
     """
     options: dict = {}
     flags: dict[str, object] = {"relayDataLimit": RELAY_DATA_LIMIT, "relayTimeLimit": f"{RELAY_TIME_LIMIT}s"}

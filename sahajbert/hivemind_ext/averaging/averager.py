@@ -266,7 +266,7 @@ class GuardedAverager:
         """The group size at which a leader starts its all-reduce at once, without waiting out its matchmaking time
         (`Matchmaking.target_group_size`, in the averager's process). Not waited for: the averager starts a task per
         message in the order sent, and this one sets the size before it first yields, so a step asked for next finds
-        it; the answer cost a trainer an inter-process round trip per outer step on busy cores."""
+        it; waiting for an answer would cost an inter-process round trip per outer step."""
         self._outer_pipe.send(("_set_target_group_size", [], dict(size=size)))
 
     async def _set_target_group_size(self, size: int | None) -> None:

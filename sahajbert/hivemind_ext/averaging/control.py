@@ -28,8 +28,8 @@ def cancel_sent(control: StepControl) -> bool:
 def cancel_round(control: StepControl | None) -> None:
     """Call off a round this peer will not make, once. A second StepControl.cancel raises InvalidStateError (its
     cancel future is already set), and a round called off still reads "looking for a group" until the averager's
-    process has seen the cancel: in a fresh-clone CI run, a DiLoCo trainer's outer round cancelled at its last step
-    was cancelled again at once by the final parameter round's start, and the trainer exited 1."""
+    process has seen the cancel, so a round called off (a DiLoCo outer round at the last step) may be found still
+    matching by the next caller (the final parameter round's start), which must not cancel it again."""
     if control is not None and not cancel_sent(control):
         control.cancel()
 

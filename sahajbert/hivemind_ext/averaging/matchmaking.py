@@ -33,10 +33,10 @@ class GuardedMatchmaking(Matchmaking):
         """The time until which this peer, asking to join a group, waits for it to begin. hivemind's is the peer's
         own scheduled time, and a leader refuses a follower whose time comes before its own (BAD_EXPIRATION_TIME),
         after which the follower does not ask it again until it declares a new time: a peer that can lead then
-        leads, but a client-mode peer cannot, so it waited until its time had passed. DiLoCo trainers schedule
-        their rounds from their own inner steps plus --diloco_wait; with a client-mode trainer, 2 of 4 outer rounds
-        took 31-45 s (the wait) against under 0.1 s without client mode. A client-mode peer waits for any group
-        anyway, so it offers its round's deadline (the round fails then, grouped or not)."""
+        leads, but a client-mode peer cannot, so it would wait until its time had passed (DiLoCo trainers schedule
+        their rounds from their own inner steps plus --diloco_wait: up to the whole wait per outer round). A
+        client-mode peer waits for any group anyway, so it offers its round's deadline (the round fails then,
+        grouped or not)."""
         expiration = super().get_request_expiration_time()
         if self.client_mode and self.step_control is not None and math.isfinite(self.step_control.deadline):
             return max(expiration, self.step_control.deadline)

@@ -14,10 +14,10 @@ from sahajbert.hivemind_ext.refusals import RefusalLog
 # neighbours each (one 4 MiB request of 32-byte keys: about 120,000 keys and a response of hundreds of MB, built
 # before the p2p daemon refuses to send it), and each request with a sender's node info starts a ping task. An
 # honest peer's get or store names a few keys (a progress record, a matchmaking key, a state declaration), but
-# hivemind's matchmaking polls its group key while it looks for a group: measured in tests/test_aux_peer.py's swarm
-# (two trainers, an aux peer refreshing every second), one trainer sent one node up to 529 finds in 5 s (106 a
-# second), most 5-second windows 10-300. The rate bound is 5x that peak. Beyond it a request is refused as a failed
-# call (the caller's DHT then counts this peer as unresponsive to it).
+# hivemind's matchmaking polls its group key while it looks for a group: an honest trainer sends one node at most
+# ~110 finds a second (two trainers and an aux peer refreshing every second), most often 2-60. The rate bound is 5x
+# that peak. Beyond it a request is refused as a failed call (the caller's DHT then counts this peer as unresponsive
+# to it).
 MAX_DHT_KEYS_PER_REQUEST = 256
 DHT_REQUESTS_PER_SECOND = 500.0  # per calling peer, the rate its allowance refills at
 DHT_REQUEST_BURST = 2500  # per calling peer: its allowance when full (5 s at the rate)

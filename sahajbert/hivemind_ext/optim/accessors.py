@@ -284,8 +284,8 @@ def start_parameter_round(
 
     The round sends fp32 (`GuardedAverager.set_compression`), whatever the run's codec: hivemind returns to each peer
     the average minus the value it received from it, in the round's codec, and the peer adds that to its own value.
-    In fp16 each peer kept the rounding of that difference (2^-11 of half the peers' divergence): overlapped DiLoCo
-    peers 8 apart ended 0.004 apart, and a value near 0 outside the agreement tolerance. In fp32 every peer ends at
+    In fp16 each peer would keep the rounding of that difference (2^-11 of half the peers' divergence), which for
+    values near 0 exceeds the agreement tolerance. In fp32 every peer ends at
     the average, up to fp32's rounding. It doubles the bytes of one round per run. A state downloaded from this peer
     from then on is fp32 too: a final round that came back partial ends with one peer's parameters downloaded.
     """
@@ -325,8 +325,8 @@ def take_state_of(optimizer: hivemind.Optimizer, peer_id: str, step: int, timeou
     """Download the training state (parameters included) at global step `step` from peer `peer_id` (base58) alone
     and take it, waiting at most `timeout` seconds; whether it came."""
     averager = optimizer.state_averager
-    # the ceiling a state may have is set afresh: the one left by this peer's last download (the swarm's step then,
-    # say 3 for a peer that caught up at step 2) refused the final state of step 9 in a test run
+    # the ceiling a state may have is set afresh: the one left by this peer's last download (the swarm's step then)
+    # would refuse a final state of any later step
     averager.state_step_ceiling = step
     before = averager.states_downloaded
     try:

@@ -154,10 +154,10 @@ class DiLoCoOptimizer(GuardedOptimizer):
         """The swarm needs this peer's step and presence from its progress record, not its samples (no count of
         samples starts a round): the record is published once per step, at the first inner step made at it, and
         refreshed by the tracker's periodic report; the other reports stay local. Each store of a signed record
-        costs a DHT lookup that returns every peer's record: a store per inner step was most of what a trainer
-        sent, and the epoch change's own report (held in `_update_global_epoch`) was one more per round. The other
+        costs a DHT lookup that returns every peer's record: a store per inner step would be most of what a trainer
+        sends, and the epoch change's own report (held in `_update_global_epoch`) one more per round. The other
         reports are noted at most every NOTE_PERIOD seconds: the periodic report sends the last one, seconds apart,
-        and each note (a record built, the throughput's average updated) cost ~0.7% of a tiny trainer's time."""
+        and each note builds a record and updates the throughput's average."""
         now = time.monotonic()
         if self.local_epoch != self.published_epoch:
             self.tracker.report_local_progress(self.local_epoch, self.round_samples)
@@ -176,13 +176,12 @@ class DiLoCoOptimizer(GuardedOptimizer):
     def _read_ahead(self) -> None:
         """Halfway through a round, ask for the fresh read of the swarm's progress (its peers, its step) that the
         outer round starts on, without waiting: it comes in during the next inner steps, and the H-th step does not
-        wait for a DHT read (a read over a slow link took as long as 6 tiny inner steps). Not in the run's first
+        wait for a DHT read (over a slow link, one takes as long as several tiny inner steps). Not in the run's first
         round, whose read follows the wait for the trainers starting with it; with overlap the second round, also
-        sent at step 0 (while the first is in flight), reads ahead like the rest: without, its send waited for a
-        fresh read and then looked for its group, and a tiny overlapped trainer idled 0.1-0.5 s at step 2. Also
-        while the previous round is in flight: its outer step changes only this peer's own step, which the outer
-        round does not read from the swarm, and asking only once it had ended (often after halfway, with overlap at
-        H = 50) left the H-th step waiting for the read, 4% of a trainer's time."""
+        sent at step 0 (while the first is in flight), reads ahead like the rest (otherwise its send would wait for a
+        fresh read, then for its group). Also while the previous round is in flight: its outer step changes only
+        this peer's own step, which the outer round does not read from the swarm, and a round in flight often ends
+        after halfway: asking only then would leave the H-th step waiting for the read."""
         if (self.local_epoch == 0 and not self.round_in_flight) or self.read_ahead_from is not None:
             return
         if self.inner_step >= self.inner_steps // 2:
@@ -192,13 +191,12 @@ class DiLoCoOptimizer(GuardedOptimizer):
     def _match_ahead(self) -> None:
         """Once the read asked halfway through the round has come in, look for the outer round's group, timed for
         the H-th inner step, where its all-reduce then starts at once: matchmaking takes several round trips (the
-        DHT, then the leader) that otherwise came after the H-th step, ~half of a tiny trainer's ~1.1 s rounds on
-        the slow links (where 50 inner steps take ~1 s). hivemind's optimizer pre-schedules its gradient rounds the
-        same way, in `scheduled_grads`, which the trainer's stopping rules read. With overlap, also while the
-        previous round's all-reduce runs, into `next_round` until that round ends (matchmaking over the slow links
-        took ~0.65 s, 30 tiny inner steps: begun only once a round had ended, ~35 steps into the next, it was still
-        looking at the H-th); not while that round still looks for its group: the averager looks for one group at a
-        time, and the group size it aims for is one setting."""
+        DHT, then the leader) that would otherwise come after the H-th step, about half of a tiny trainer's round
+        over slow links. hivemind's optimizer pre-schedules its gradient rounds the same way, in `scheduled_grads`,
+        which the trainer's stopping rules read. With overlap, also while the previous round's all-reduce runs, into
+        `next_round` until that round ends (over slow links matchmaking lasts tens of tiny inner steps: begun only
+        once a round had ended, it could still be looking at the H-th); not while that round still looks for its
+        group: the averager looks for one group at a time, and the group size it aims for is one setting."""
         if not self.read_ahead_came_in or round_pending(self.scheduled_grads) or round_pending(self.next_round):
             return
         if self.round_in_flight and still_matching(self.scheduled_grads):

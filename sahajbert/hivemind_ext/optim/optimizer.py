@@ -130,8 +130,8 @@ class GuardedOptimizer(hivemind.Optimizer):
         # for a group that is not coming): a gradient round that found nobody while other peers report progress
         # most likely ran while they were in their parameter round. Making this step's parameter round too would
         # keep this peer one round out of phase with them for good: both kinds of round then find nobody and every
-        # step takes two round timeouts (a CPU + XLA swarm, after a round cancelled at a join, made 60-s steps until
-        # its test timed out). Without it, this peer's next gradient round starts as theirs does. The parameters
+        # step takes two round timeouts. Without it, this peer's next gradient round starts as theirs does. The
+        # parameters
         # stay as they are until the next step's parameter round.
         logger.info("the gradient round found no group: this step makes no parameter round, to meet the others' next")
         self.average_state_every = NO_STATE_AVERAGING

@@ -80,12 +80,12 @@ class BoundedProgressTracker(ProgressTracker):
 
     async def _progress_fetcher(self):
         """Follows hivemind 1.1.12's ProgressTracker._progress_fetcher (hivemind/optim/progress_tracker.py): hivemind's
-        fetcher, holding `lock_global_progress` only to take in what it read, not over the DHT read:
-        a step change (`pause_updates` takes the lock) waited out whole reads over slow links, 3.4% of a tiny DiLoCo
-        trainer's time at H = 50 with overlap. A read that a step change overtook is taken in (peers, their steps)
-        but not as this step's read, and another is made at once: hivemind's optimizer checks that this peer is in
-        sync on the first read after a change (`fetched_global_progress_this_epoch`), which must begin after it.
-        (Dropped instead, a peer whose steps come faster than its reads would never take one in.)"""
+        fetcher, holding `lock_global_progress` only to take in what it read, not over the DHT read: a step change
+        (`pause_updates` takes the lock) must not wait out a whole DHT read over a slow link. A read that a step
+        change overtook is taken in (peers, their steps) but not as this step's read, and another is made at once:
+        hivemind's optimizer checks that this peer is in sync on the first read after a change
+        (`fetched_global_progress_this_epoch`), which must begin after it. (Dropped instead, a peer whose steps come
+        faster than its reads would never take one in.)"""
         loop = asyncio.get_event_loop()
         shutdown = asyncio.ensure_future(loop.run_in_executor(None, self.shutdown_triggered.wait))
         try:

@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     if swarm_args.reachability == "private":
         raise UserError("the first peer cannot run with --reachability private: every volunteer connects to it")
     from sahajbert.access import SwarmAccess, ensure_identity, read_allowlist
-    from sahajbert.hivemind_compat import drain_dht_calls
+    from sahajbert.hivemind_ext.dht.process import drain_dht_calls
     from sahajbert.metrics import make_validators
     from sahajbert.signals import StopRequest, ignoring_signals
     from sahajbert.swarm import build_dht, initial_peers_line

@@ -6,8 +6,9 @@ Trust is anchored in libp2p identities, which the transport already authenticate
 - a token names a volunteer and carries its identity's public key; the peer it admits is that key's peer id, so a
   token copied by another peer admits nobody new (hivemind's DHT also makes each request signed by that key).
 The DHT checks every request and response (hivemind's TokenAuthorizerBase, given `InviteAuthorizer`). Averaging
-RPCs carry no token, so each peer publishes its token under `<run_id>_members`, and the averagers'
-handlers (hivemind_compat.GuardedAverager) admit a caller only if a valid token there names its peer id.
+RPCs carry no token, so each peer publishes its token under `<run_id>_members`, and the averagers' handlers
+(sahajbert.hivemind_ext.averaging.averager.GuardedAverager) admit a caller only if a valid token there names its
+peer id.
 A volunteer removed from the allowlist gets no new token: every peer refuses it when its token expires.
 """
 
@@ -37,10 +38,12 @@ from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.timed_storage import get_dht_time
 
-from sahajbert import hivemind_compat as compat
 from sahajbert.adaptive import peer_ids
 from sahajbert.arguments import SwarmArguments
 from sahajbert.cli import UserError
+from sahajbert.hivemind_ext import identity
+from sahajbert.hivemind_ext.dht.process import dht_authorizer
+from sahajbert.hivemind_ext.p2p import add_stream_handler, kept_alive, p2p_of
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +78,7 @@ def members_key(run_id: str) -> str:
 
 def peer_id_of(public_key: bytes) -> PeerID:
     """The libp2p peer id of an RSA public key in hivemind's encoding (RSAPublicKey.to_bytes)."""
-    return compat.peer_id_of_public_key(RSAPublicKey.from_bytes(public_key))
+    return identity.peer_id_of_public_key(RSAPublicKey.from_bytes(public_key))
 
 
 def _signed_part(token: AccessToken) -> bytes:
@@ -319,20 +322,20 @@ class InviteAuthorizer(TokenAuthorizerBase):
 
 
 async def _serve_invites(_dht, node) -> None:
-    authorizer = compat.dht_authorizer(node)
-    await node.p2p.add_binary_stream_handler(INVITE_PROTOCOL, authorizer.authority.serve)
+    authorizer = dht_authorizer(node)
+    await add_stream_handler(node, INVITE_PROTOCOL, authorizer.authority.serve)
 
 
 async def _renew(_dht, node, authority: PeerID, invite: Invite) -> tuple[str, bytes | str]:
     """("token", the new token), ("refused", why) or ("unanswered", why): hivemind logs a coroutine's exception as an
     error with its traceback, and neither a refusal nor an organizer that does not answer (yet) is an error here."""
-    return await compat.kept_alive(_renew_now(node, authority, invite))
+    return await kept_alive(_renew_now(node, authority, invite))
 
 
 async def _renew_now(node, authority: PeerID, invite: Invite) -> tuple[str, bytes | str]:
-    authorizer = compat.dht_authorizer(node)
+    authorizer = dht_authorizer(node)
     try:
-        token, _ = await ask(node.p2p, authority, invite, authorizer.local_public_key.to_bytes())
+        token, _ = await ask(p2p_of(node), authority, invite, authorizer.local_public_key.to_bytes())
     except Refused as e:
         return "refused", str(e)
     except Exception as e:  # the organizer's peer unreachable or gone: the renewal loop retries until expiry
@@ -469,7 +472,7 @@ class SwarmAccess:
     # the organizer's first peer
     @classmethod
     def authority(cls, swarm_args: SwarmArguments, allowlist: str, lifetime: float) -> "SwarmAccess":
-        key = compat.identity_key(swarm_args.identity_path)
+        key = identity.identity_key(swarm_args.identity_path)
         authority = Authority(key, Allowlist(allowlist), lifetime)
         authorizer = InviteAuthorizer(key, authority.public_key, swarm_args.run_id, authority=authority)
         return cls(swarm_args, authorizer, None)
@@ -478,7 +481,7 @@ class SwarmAccess:
     @classmethod
     def join(cls, swarm_args: SwarmArguments) -> "SwarmAccess":
         invite = parse_invite(swarm_args.invite)
-        key = compat.identity_key(swarm_args.identity_path)
+        key = identity.identity_key(swarm_args.identity_path)
         public_key = key.get_public_key().to_bytes()
         try:
             token, authority_key, peer = request_token(swarm_args, invite, public_key)

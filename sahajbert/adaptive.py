@@ -20,8 +20,15 @@ import hivemind
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from sahajbert import hivemind_compat as compat
 from sahajbert.arguments import PeerArguments
+from sahajbert.hivemind_ext.dht.process import dht_authorizer
+from sahajbert.hivemind_ext.optim.accessors import (
+    GRADIENT_ROUND_DONE,
+    GRADIENT_ROUND_FAILED,
+    ROUND_LOGGERS,
+    STATE_ROUND_FAILED,
+)
+from sahajbert.hivemind_ext.p2p import add_stream_handler, kept_alive, p2p_of
 
 logger = logging.getLogger(__name__)
 
@@ -105,9 +112,9 @@ def _later_rate(arrivals: list[tuple[float, int]]) -> tuple[float, float]:
 
 async def _register(_dht, node) -> None:
     # an invite-only run's DHT (sahajbert.access.InviteAuthorizer) serves the probe to its members only
-    authorizer = compat.dht_authorizer(node)
+    authorizer = dht_authorizer(node)
     serve = authorizer.members_only(node, _serve) if hasattr(authorizer, "members_only") else _serve
-    await node.p2p.add_binary_stream_handler(PROBE_PROTOCOL, serve)
+    await add_stream_handler(node, PROBE_PROTOCOL, serve)
 
 
 def serve_link_probe(dht: hivemind.DHT) -> None:
@@ -130,7 +137,7 @@ async def _measure(_dht, node, peer_id: PeerID, seconds: float) -> LinkEstimate 
     an exception raised in its process as an error with its traceback, two tracebacks on a trainer's terminal for a
     probe that it tries again anyway."""
     try:
-        return await compat.kept_alive(_measure_now(node.p2p, peer_id, seconds))
+        return await kept_alive(_measure_now(p2p_of(node), peer_id, seconds))
     except Exception as e:
         return ProbeFailed(_describe(e))
 
@@ -406,14 +413,14 @@ class RoundMonitor(logging.Filter):
         self._round_started: float | None = None
 
     def attach(self) -> "RoundMonitor":
-        for name in compat.ROUND_LOGGERS:
+        for name in ROUND_LOGGERS:
             hivemind_logger = logging.getLogger(name)
             hivemind_logger.setLevel(logging.INFO)
             hivemind_logger.addFilter(self)
         return self
 
     def detach(self) -> None:
-        for name in compat.ROUND_LOGGERS:
+        for name in ROUND_LOGGERS:
             logging.getLogger(name).removeFilter(self)
 
     def gradient_round_started(self, unix_time: float) -> None:
@@ -421,11 +428,11 @@ class RoundMonitor(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        if match := compat.GRADIENT_ROUND_FAILED.match(message):
+        if match := GRADIENT_ROUND_FAILED.match(message):
             self._failed("gradient", match.group(1), "this peer steps with its own gradients")
-        elif match := compat.STATE_ROUND_FAILED.match(message):
+        elif match := STATE_ROUND_FAILED.match(message):
             self._failed("parameter", match.group(1), "parameters stay as they are until the next round")
-        elif compat.GRADIENT_ROUND_DONE.match(message):
+        elif GRADIENT_ROUND_DONE.match(message):
             self.gradient_rounds += 1
             if self._round_started is not None:
                 self.round_seconds.append(record.created - self._round_started)

@@ -19,7 +19,7 @@ from sahajbert.corpus import DEFAULT_SOURCES, HUB_SOURCES, SAMPLE_NAME
 from sahajbert.recipes import PROTOCOLS, RECIPES
 from sahajbert.tokenization import REAL_TOKENIZER
 
-# seconds: the longest a peer keeps a DHT record others store (sahajbert.hivemind_compat.BoundedLocalStorage)
+# seconds: the longest a peer keeps a DHT record others store (hivemind_ext BoundedLocalStorage)
 MAX_RECORD_LIFETIME = 3600.0
 
 

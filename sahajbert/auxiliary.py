@@ -9,10 +9,10 @@ import time
 from pathlib import Path
 
 from sahajbert import adaptive, checkpoints, metrics
-from sahajbert import hivemind_compat as compat
 from sahajbert.arguments import AuxPeerArguments, PeerArguments
 from sahajbert.cli import UserError
 from sahajbert.dashboard import Dashboard
+from sahajbert.hivemind_ext.optim import accessors
 from sahajbert.model import build_model
 from sahajbert.monitor import FinalModel, SwarmMonitor
 from sahajbert.optim import build_collaborative_optimizer
@@ -158,7 +158,7 @@ class AuxPeer(SwarmPeer):
     def _refresh(self, now: float) -> None:
         run_id = self.args.swarm_args.run_id
         records = metrics.fetch(self.dht, run_id)
-        new_points = self.monitor.update(records, now, compat.progress_peers(self.optimizer))
+        new_points = self.monitor.update(records, now, accessors.progress_peers(self.optimizer))
         for point in new_points:
             loss = "n/a" if point["loss"] is None else f"{point['loss']:.4f}"
             logger.info(
@@ -174,7 +174,7 @@ class AuxPeer(SwarmPeer):
             self.public_key,
             metrics.ArchiveRecord(step=self.final_step, refresh_period=float(self.aux_args.refresh_period)),
         )
-        swarm_step = max(self.monitor.global_step, compat.position(self.optimizer).swarm_step)
+        swarm_step = max(self.monitor.global_step, accessors.position(self.optimizer).swarm_step)
         if self.final_step < swarm_step and swarm_step >= self.saved_step + self.aux_args.checkpoint_every:
             self.saved_step = self._checkpoint() or self.saved_step
         if self.uploader is not None:
@@ -195,7 +195,7 @@ class AuxPeer(SwarmPeer):
             logger.warning(f"the run ended at step {step}, but no trainer serves its state: no final model saved")
             self.final_step = step
             return
-        if not compat.take_state_of(self.optimizer, source, step, self.timing.load_state_timeout):
+        if not accessors.take_state_of(self.optimizer, source, step, self.timing.load_state_timeout):
             logger.info(f"could not download the final model of step {step} from peer {source}: will try again")
             return
         latest = self.monitor.history[-1] if self.monitor.history else {}
@@ -217,11 +217,11 @@ class AuxPeer(SwarmPeer):
         state = checkpoints.load_optimizer_state(checkpoint)
         if state is not None:
             self.optimizer.load_state_dict(state)
-            compat.follow_schedule(self.optimizer)  # the LR follows the restored global step
+            accessors.follow_schedule(self.optimizer)  # the LR follows the restored global step
         else:
-            compat.set_step(self.optimizer, checkpoints.read_state(checkpoint)["global_step"])
-        compat.prefer_as_state_donor(self.optimizer)
-        compat.report_step(self.optimizer, self.optimizer.local_epoch)
+            accessors.set_step(self.optimizer, checkpoints.read_state(checkpoint)["global_step"])
+        accessors.prefer_as_state_donor(self.optimizer)
+        accessors.report_step(self.optimizer, self.optimizer.local_epoch)
         logger.info(f"serving the state of {checkpoint} at global step {self.optimizer.local_epoch}")
 
     def _checkpoint(self) -> int | None:

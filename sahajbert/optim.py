@@ -17,10 +17,13 @@ from hivemind.compression import (
 )
 from transformers import get_linear_schedule_with_warmup
 
-from sahajbert import hivemind_compat as compat
 from sahajbert import robust
 from sahajbert.adaptive import Timing, explicit_timing, payload_bytes, plan_timing, round_wait_of
 from sahajbert.arguments import PeerArguments
+from sahajbert.hivemind_ext.compression import Uniform8Bit
+from sahajbert.hivemind_ext.optim.diloco import DiLoCoOptimizer
+from sahajbert.hivemind_ext.optim.optimizer import GuardedOptimizer, gradient_averager_factory
+from sahajbert.signals import StopNow
 
 
 def clip_applied_gradients(optimizer: torch.optim.Optimizer, max_grad_norm: float | None) -> None:
@@ -141,12 +144,10 @@ def make_compression(name: str) -> CompressionBase:
         # per tensor part, whichever takes fewer bytes: fp16 is also exact-er (a tiny model's biases and norms, 20 of
         # its 32 tensors, went as 1 KiB of bucket means each)
         return SizeAdaptiveCompression(
-            threshold=EIGHT_BIT_MIN_VALUES, less=Float16Compression(), greater_equal=compat.Uniform8Bit()
+            threshold=EIGHT_BIT_MIN_VALUES, less=Float16Compression(), greater_equal=Uniform8Bit()
         )
     if name == "adaptive":  # sahajBERT-XL's: fp16 below 2^16 + 1 elements (tanmoyio/sahajBERT run_trainer.py:168)
-        return SizeAdaptiveCompression(
-            threshold=2**16 + 1, less=Float16Compression(), greater_equal=compat.Uniform8Bit()
-        )
+        return SizeAdaptiveCompression(threshold=2**16 + 1, less=Float16Compression(), greater_equal=Uniform8Bit())
     raise ValueError(f"unknown compression '{name}'")
 
 
@@ -214,7 +215,7 @@ def build_collaborative_optimizer(
     )
     if optimizer_args.diloco_inner_steps:
         inner_optimizer = partial(AdamW, **adam_settings) if optimizer_args.diloco_inner_optimizer == "adamw" else lamb
-        return compat.DiLoCoOptimizer(
+        return DiLoCoOptimizer(
             inner_optimizer=inner_optimizer,
             inner_lr=partial(
                 lr_at_step,
@@ -228,6 +229,7 @@ def build_collaborative_optimizer(
             last_step=None if auxiliary else training_args.max_steps,
             gate=gate,
             aggregation=aggregation,
+            passes_through=(StopNow,),
             dht=dht,
             run_id=swarm_args.run_id,
             batch_size_per_step=batch_size_per_step,
@@ -245,16 +247,17 @@ def build_collaborative_optimizer(
             state_averaging_compression=state_compression,
             load_state_compression=state_compression,
             averager_opts=averager_opts,
-            grad_averager_factory=compat.gradient_averager_factory(gate, aggregation, **averager_opts),
+            grad_averager_factory=gradient_averager_factory(gate, aggregation, **averager_opts),
             tracker_opts={
                 "metadata_expiration": optimizer_args.metadata_expiration,
                 "max_refresh_period": timing.max_refresh_period,
             },
             verbose=True,
         )
-    return compat.GuardedOptimizer(
+    return GuardedOptimizer(
         gate=gate,
         aggregation=aggregation,
+        passes_through=(StopNow,),  # a stop request during a state download stops the trainer
         dht=dht,
         run_id=swarm_args.run_id,
         target_batch_size=optimizer_args.target_batch_size - optimizer_args.batch_size_lead,
@@ -281,7 +284,7 @@ def build_collaborative_optimizer(
         averager_opts=averager_opts,
         grad_averager_factory=None
         if optimizer_args.use_local_updates
-        else compat.gradient_averager_factory(gate, aggregation, **averager_opts),
+        else gradient_averager_factory(gate, aggregation, **averager_opts),
         tracker_opts={
             "metadata_expiration": optimizer_args.metadata_expiration,
             "max_refresh_period": timing.max_refresh_period,

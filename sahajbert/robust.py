@@ -2,8 +2,9 @@
 
 hivemind's reducer returns the weighted mean of whatever arrives, so one peer sending NaN makes every groupmate's
 part NaN, and one peer sending x1e4-scaled values decides the average alone. The reducer of a part here
-(`hivemind_compat.RobustAccumulator`, used by every averager: gradients, parameters, DiLoCo's pseudo-gradients)
-instead combines the contributions with `aggregate`:
+(`hivemind_ext.averaging.allreduce.RobustAccumulator`, used by every averager: gradients, parameters, DiLoCo's
+pseudo-gradients) instead combines the contributions with `aggregate`; the fence is given this module as its rules
+(`hivemind_ext.install(rules=...)`, by `swarm.install_hivemind_ext`):
 
 - non-finite contributions are always dropped;
 - each contribution's weight (the samples a peer claims for its gradients) is capped at the median weight, so that a

@@ -6,8 +6,9 @@ from dataclasses import dataclass, field
 
 import hivemind
 
-from sahajbert import hivemind_compat as compat
-from sahajbert.hivemind_compat import SwarmPosition
+from sahajbert.hivemind_ext.averaging.control import round_peers, round_steps
+from sahajbert.hivemind_ext.optim import accessors
+from sahajbert.hivemind_ext.optim.accessors import SwarmPosition
 from sahajbert.metrics import FinishedRecord
 
 logger = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ def should_settle(position: SwarmPosition, max_steps: int | None) -> bool:
 
     Another peer's step can take the swarm to the last step before hivemind has matched the round it pre-scheduled
     here; stopping at once would leave the group that then forms around this peer waiting for its part. Settle the
-    round first (`compat.settle_gradient_round`): once matched, `should_stop` makes the peer take that step too.
+    round first (`accessors.settle_gradient_round`): once matched, `should_stop` makes the peer take that step too.
     """
     return swarm_reached(position, max_steps) and position.gradient_round_matching
 
@@ -123,12 +124,12 @@ class FinalRound:
         Then `self.group` holds their peer ids (base58), and `self.complete` says whether every averaged part came
         back to this peer."""
         self.complete, self.group = True, set()
-        partial_before = compat.partial_rounds(optimizer)
+        partial_before = accessors.partial_rounds(optimizer)
         # the higher of the tracker's last view and a fresh read: a peer whose record just expired (its reports
         # held up by a slow link) may still come, and a skipped round cannot be made up for
-        peers_seen = compat.position(optimizer).peers
-        compat.read_progress_now(optimizer, FRESH_READ_TIMEOUT)
-        peers_now = max(peers_seen, compat.position(optimizer).peers)
+        peers_seen = accessors.position(optimizer).peers
+        accessors.read_progress_now(optimizer, FRESH_READ_TIMEOUT)
+        peers_now = max(peers_seen, accessors.position(optimizer).peers)
         if not self.needed(peers_now, recent_peers):
             return 0
         expected = max(peers_now, recent_peers)
@@ -136,17 +137,17 @@ class FinalRound:
             f"averaging parameters with the peers that finish within {self.window:.0f} s, for a common final model "
             f"(at once when all {expected} are there)"
         )
-        control = compat.start_parameter_round(optimizer, FINAL_GROUP_BITS, self.wait, self.timeout, expected)
+        control = accessors.start_parameter_round(optimizer, FINAL_GROUP_BITS, self.wait, self.timeout, expected)
         deadline = time.monotonic() + self.timeout + 5.0  # seconds: the round's own timeout ends it first
         while not control.done() and time.monotonic() < deadline:
             time.sleep(0.5)
-        compat.apply_pending_updates(optimizer, self.pending_update_timeout)
-        steps = compat.round_steps(control)
+        accessors.apply_pending_updates(optimizer, self.pending_update_timeout)
+        steps = round_steps(control)
         if steps is None:
             logger.info("no other peer joined the final parameter round: this peer keeps those of its last round")
             return 0
-        self.complete = compat.partial_rounds(optimizer) == partial_before
-        self.group = compat.round_peers(control)
+        self.complete = accessors.partial_rounds(optimizer) == partial_before
+        self.group = round_peers(control)
         logger.info(f"final parameters averaged by {len(steps)} peers (their steps: {steps})")
         return len(steps)
 

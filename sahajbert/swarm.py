@@ -15,11 +15,12 @@ from pathlib import Path
 import hivemind
 from hivemind.utils.multiaddr import Multiaddr
 
-from sahajbert import access, metrics
-from sahajbert import hivemind_compat as compat
+from sahajbert import access, hivemind_ext, metrics, robust
 from sahajbert.adaptive import serve_link_probe
-from sahajbert.arguments import SwarmArguments
+from sahajbert.arguments import MAX_RECORD_LIFETIME, SwarmArguments
 from sahajbert.cli import UserError
+from sahajbert.hivemind_ext import identity, p2p
+from sahajbert.hivemind_ext.dht.process import GuardedDHT, drain_dht_calls
 from sahajbert.signals import ignoring_signals
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ def check_identity_path(path: str | None) -> None:
     file = Path(path)
     if file.is_dir():
         raise UserError(f"--identity_path '{path}' is a directory: give a file path (a new identity is created there)")
-    if file.exists() and not compat.is_identity_file(str(file)):
+    if file.exists() and not identity.is_identity_file(str(file)):
         raise UserError(
             f"--identity_path '{path}' does not hold a peer identity (the private key file a peer writes there): "
             "give the right file, or a new path to create a new identity"
@@ -156,6 +157,15 @@ def quiet_hivemind(verbose: bool) -> None:
         logging.getLogger(name).addFilter(_ROUTINE_ERRORS)
 
 
+def install_hivemind_ext() -> None:
+    """Install the hivemind fence in this process with the project's policies (the robust rules, the longest a DHT
+    record is kept), before its DHT starts; a hivemind release other than the one the fence follows is a UserError."""
+    try:
+        hivemind_ext.install(rules=robust, max_record_lifetime=MAX_RECORD_LIFETIME)
+    except hivemind_ext.UnsupportedHivemind as e:
+        raise UserError(str(e)) from None
+
+
 def build_dht(
     swarm_args: SwarmArguments, record_validators=(), initial_peers: list[str] | None = None, authorizer=None
 ) -> hivemind.DHT:
@@ -169,10 +179,11 @@ def build_dht(
     check_ports_free(swarm_args.host_maddrs)
     quiet_hivemind(swarm_args.verbose)
     relays = relays_of(swarm_args, peers)
-    relaying = compat.relay_options(swarm_args.auto_relay, relays, swarm_args.reachability, swarm_args.client_mode)
-    compat.set_daemon_flags(**relaying["daemon"])
+    relaying = p2p.relay_options(swarm_args.auto_relay, relays, swarm_args.reachability, swarm_args.client_mode)
+    install_hivemind_ext()
+    p2p.set_daemon_flags(**relaying["daemon"])
     try:
-        dht = compat.GuardedDHT(
+        dht = GuardedDHT(
             initial_peers=peers,
             start=True,
             startup_timeout=swarm_args.join_timeout,
@@ -335,5 +346,5 @@ class SwarmPeer:
             self.access.stop()
         if self.optimizer is not None:
             self.optimizer.shutdown()
-        compat.drain_dht_calls(self.dht)
+        drain_dht_calls(self.dht)
         self.dht.shutdown()

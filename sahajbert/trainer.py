@@ -18,12 +18,12 @@ import torch
 from accelerate import PartialState
 
 from sahajbert import adaptive, checkpoints, metrics
-from sahajbert import hivemind_compat as compat
 from sahajbert.arguments import PeerArguments
 from sahajbert.cli import UserError
 from sahajbert.collators import PretrainingCollator
 from sahajbert.compute import build_compute
 from sahajbert.devices import DeviceInfo, choose_precision, describe_device
+from sahajbert.hivemind_ext.optim import accessors
 from sahajbert.model import build_model
 from sahajbert.optim import build_collaborative_optimizer, gradients_finite, is_finite
 from sahajbert.signals import StopNow, StopRequest
@@ -101,7 +101,7 @@ def parameters_digest(parameters: list[torch.Tensor]) -> str:
     return digest.hexdigest()[:32]
 
 
-def slow_pace_warning(position: compat.SwarmPosition, model: str, device_kind: str) -> str | None:
+def slow_pace_warning(position: accessors.SwarmPosition, model: str, device_kind: str) -> str | None:
     """What to tell a user whose swarm, at its present pace, takes over SLOW_STEP_SECONDS per global step."""
     remaining = position.target_batch_size - position.samples_accumulated
     if position.seconds_to_next_step is None or position.seconds_to_next_step <= 0 or remaining <= 0:
@@ -174,7 +174,7 @@ class TrainerPeer(SwarmPeer):
             )
             # at step 0, the peer that started first is every newcomer's donor: all start from its parameters
             self.start_priority = start_priority(time.time())
-            compat.set_state_priority(self.optimizer, self.start_priority)
+            accessors.set_state_priority(self.optimizer, self.start_priority)
             if resume_from is not None:
                 self._restore_optimizer(resume_from)
             self.state_missing = self._catch_up_with_swarm()
@@ -257,7 +257,7 @@ class TrainerPeer(SwarmPeer):
             # an invite the organizer no longer renews ends this peer's part: checkpoint, then leave with one line
             # where things stood after this peer's last step: another peer's step seen since then, taking the swarm to
             # the last step, may have counted this peer's samples and waits for its part (stopping.joins_last_step)
-            after_step = compat.position(self.optimizer)
+            after_step = accessors.position(self.optimizer)
             while not (stop or self._should_stop(after_step) or self.access_lost):
                 pass_loss = self._forward_backward()
                 if pass_loss is None:
@@ -265,7 +265,7 @@ class TrainerPeer(SwarmPeer):
                 if self._should_stop(after_step):
                     break  # the swarm got there in a round without us: do not step alone
                 host_changed = self._step(pass_loss)
-                after_step = compat.position(self.optimizer)
+                after_step = accessors.position(self.optimizer)
                 if self.optimizer.local_epoch != self.last_step:
                     self._after_global_step()
                     host_changed = True
@@ -279,17 +279,17 @@ class TrainerPeer(SwarmPeer):
         self.check_access()
         return result
 
-    def _should_stop(self, after_step: compat.SwarmPosition) -> bool:
+    def _should_stop(self, after_step: accessors.SwarmPosition) -> bool:
         """Whether to stop now; `after_step`: where things stood after this peer's last step (or its start)."""
         max_steps = self.args.training_args.max_steps
-        position = compat.position(self.optimizer)
-        in_background = compat.gradient_rounds_in_background(self.optimizer)
+        position = accessors.position(self.optimizer)
+        in_background = accessors.gradient_rounds_in_background(self.optimizer)
         if joins_last_step(after_step, position, max_steps, in_background):
             return False
         if should_settle(position, max_steps):
             timeout = SETTLE_MATCHMAKING_TIMES * self.timing.matchmaking_time
-            compat.settle_gradient_round(self.optimizer, timeout, interrupted=lambda: bool(self.stop))
-            position = compat.position(self.optimizer)  # settling changed the round's stage
+            accessors.settle_gradient_round(self.optimizer, timeout, interrupted=lambda: bool(self.stop))
+            position = accessors.position(self.optimizer)  # settling changed the round's stage
         return should_stop(position, max_steps)
 
     def _forward_backward(self) -> float | None:
@@ -327,22 +327,22 @@ class TrainerPeer(SwarmPeer):
         """Hand the pass to hivemind, which steps when the swarm's batch is full; True if the parameters changed."""
         # hivemind changes the host parameters in a step that starts a new global step and, with delayed updates,
         # in the first step after a background update was pending: only then does a device copy need them again
-        updates_pending = compat.has_pending_updates(self.optimizer)
+        updates_pending = accessors.has_pending_updates(self.optimizer)
         step_before = self.optimizer.local_epoch
         if self.final_round is not None and last_step_is_next(
-            compat.position(self.optimizer), self.args.training_args.max_steps
+            accessors.position(self.optimizer), self.args.training_args.max_steps
         ):
             # the final round replaces this step's parameter averaging: a background round still pending would
             # hold this peer back from it, or pair with another peer's final round and be triggered late
-            compat.skip_parameter_averaging(self.optimizer)
-        if compat.step_would_be_global(self.optimizer, self.samples_per_pass):
+            accessors.skip_parameter_averaging(self.optimizer)
+        if accessors.step_would_be_global(self.optimizer, self.samples_per_pass):
             # (with DiLoCo's overlap the second round is sent at step 0 too, while the first is in flight: the wait,
             # and its two blocking DHT reads, came before the first)
-            if self.optimizer.local_epoch == 0 and not compat.outer_round_in_flight(self.optimizer):
+            if self.optimizer.local_epoch == 0 and not accessors.outer_round_in_flight(self.optimizer):
                 self._wait_for_starting_trainers()
             # hivemind's view of the swarm may be seconds old (peers that joined since, samples they reported):
             # a global step is only started on a fresh read, so that no peer steps alone on a stale count
-            compat.read_progress_now(self.optimizer, FRESH_READ_TIMEOUT)
+            accessors.read_progress_now(self.optimizer, FRESH_READ_TIMEOUT)
         scaler = self.compute.scaler
         started = time.time()
         self.optimizer.step(batch_size=self.samples_per_pass, grad_scaler=scaler)
@@ -354,9 +354,9 @@ class TrainerPeer(SwarmPeer):
         self.counters.loss_sum += pass_loss
         self.counters.passes += 1
         self.counters.samples += self.samples_per_pass
-        self.counters.optimizer_seconds += compat.take_inner_step_seconds(self.optimizer)
+        self.counters.optimizer_seconds += accessors.take_inner_step_seconds(self.optimizer)
         # DiLoCo's inner optimizer changes them at every step
-        local_step = compat.inner_round(self.optimizer) is not None
+        local_step = accessors.inner_round(self.optimizer) is not None
         return local_step or updates_pending or self.optimizer.local_epoch != step_before
 
     def _after_global_step(self) -> None:
@@ -382,10 +382,10 @@ class TrainerPeer(SwarmPeer):
             return
         link = watch.finished()
         if link is not None:
-            compat.set_bandwidth(self.optimizer, round(link.bandwidth_mbit, 1))
+            accessors.set_bandwidth(self.optimizer, round(link.bandwidth_mbit, 1))
             self.timing = replace(self.timing, bandwidth=round(link.bandwidth_mbit, 1))
             logger.info(f"link measured again: {link.upload_mbit:.1f} Mbit/s up, {link.download_mbit:.1f} down")
-        elif watch.due() and not compat.has_pending_updates(self.optimizer):
+        elif watch.due() and not accessors.has_pending_updates(self.optimizer):
             watch.start()
 
     def _follow_step_time(self) -> None:
@@ -393,16 +393,16 @@ class TrainerPeer(SwarmPeer):
         now = time.monotonic()
         if self.refresh_ceiling is None and self._last_step_time is not None:
             seconds = now - self._last_step_time
-            reads = adaptive.DILOCO_READS_PER_STEP if compat.inner_round(self.optimizer) is not None else 5
+            reads = adaptive.DILOCO_READS_PER_STEP if accessors.inner_round(self.optimizer) is not None else 5
             period = adaptive.refresh_period_for(seconds, adaptive.REFRESH_BOUNDS[1], reads)
-            compat.set_refresh_period(self.optimizer, period)
+            accessors.set_refresh_period(self.optimizer, period)
         self._last_step_time = now
 
     def _record_step(self) -> StepRecord:
         """This peer's record of the global step just made; published to the swarm and logged in one line."""
         counters, step = self.counters, self.optimizer.local_epoch
         self.contributed += counters.samples
-        samples_per_second = compat.own_samples_per_second(self.optimizer)
+        samples_per_second = accessors.own_samples_per_second(self.optimizer)
         if self.optimizer.is_synchronized_with_peers():  # a peer that is behind would report a stale step
             entry = metrics.StepEntry(
                 step=step,
@@ -418,7 +418,7 @@ class TrainerPeer(SwarmPeer):
             loss=counters.loss_sum / max(1, counters.passes),
             mini_steps=counters.passes,
             samples=counters.samples,
-            peers=compat.position(self.optimizer).peers,
+            peers=accessors.position(self.optimizer).peers,
             samples_per_second=samples_per_second,
             time=time.time(),
             compute_seconds=counters.compute_seconds,
@@ -453,8 +453,8 @@ class TrainerPeer(SwarmPeer):
         """Every --log_every_seconds: the swarm's progress toward the next global step."""
         if time.monotonic() - self._last_progress_line < self.args.training_args.log_every_seconds:
             return
-        position = compat.position(self.optimizer)
-        inner = compat.inner_round(self.optimizer)
+        position = accessors.position(self.optimizer)
+        inner = accessors.inner_round(self.optimizer)
         toward = (
             f"{position.samples_accumulated}/{position.target_batch_size} samples toward the next step"
             if inner is None
@@ -462,7 +462,7 @@ class TrainerPeer(SwarmPeer):
         )
         logger.info(
             f"step {position.local_step}: {toward} from {position.peers} peer(s); "
-            f"this peer {compat.own_samples_per_second(self.optimizer):.1f} samples/s"
+            f"this peer {accessors.own_samples_per_second(self.optimizer):.1f} samples/s"
         )
         self._last_progress_line = time.monotonic()
         warning = (
@@ -518,7 +518,7 @@ class TrainerPeer(SwarmPeer):
         metrics.declare_finished(self.dht, run_id, self.public_key, own)
         if len(group) < 2:
             return
-        groupmates = group - compat.left_out_peers(self.optimizer)
+        groupmates = group - accessors.left_out_peers(self.optimizer)
         records = self._await_final_records(
             groupmates,
             lambda records: len(records) >= len(groupmates),
@@ -527,7 +527,7 @@ class TrainerPeer(SwarmPeer):
         )
         settlement = settle(records)
         if own.peer_id in settlement.takers:
-            if compat.take_state_of(self.optimizer, settlement.source, step, self.timing.load_state_timeout):
+            if accessors.take_state_of(self.optimizer, settlement.source, step, self.timing.load_state_timeout):
                 logger.info(
                     f"a part of the final round came back partial: this peer took the parameters of peer "
                     f"{settlement.source}, for one final model"
@@ -584,7 +584,7 @@ class TrainerPeer(SwarmPeer):
         state = checkpoints.load_optimizer_state(checkpoint)
         if state is not None:
             self.optimizer.load_state_dict(state)
-            compat.follow_schedule(self.optimizer)  # the LR follows the restored global step
+            accessors.follow_schedule(self.optimizer)  # the LR follows the restored global step
 
     def _catch_up_with_swarm(self, timeout: float = 30.0) -> bool:
         """Download the swarm's state now if it is ahead (instead of on the first step, silently).
@@ -592,9 +592,9 @@ class TrainerPeer(SwarmPeer):
         Ahead means: trainers report a later global step, or an aux peer announces a state to rescue the run from.
         Returns True if the swarm is ahead and no peer could share its state, so that the loop retries.
         """
-        compat.wait_for_swarm_progress(self.optimizer, timeout)
+        accessors.wait_for_swarm_progress(self.optimizer, timeout)
         swarm_step = max(
-            compat.position(self.optimizer).swarm_step,
+            accessors.position(self.optimizer).swarm_step,
             metrics.fetch_announced_step(self.dht, self.args.swarm_args.run_id),
         )
         if self.optimizer.local_epoch >= swarm_step and self._check_unbacked_claim():
@@ -618,7 +618,7 @@ class TrainerPeer(SwarmPeer):
         """A peer alone in the run's records at a later step (a trainer that ran alone before this one came, or a
         peer that only claims to be there): ask that peer for its state, checked as any download is. Taken, this
         peer joins at its step (True), and its claims count from then on; else this peer trains on where it is."""
-        claims = compat.unbacked_claims(self.optimizer)
+        claims = accessors.unbacked_claims(self.optimizer)
         if not claims:
             return False
         peer, step = max(claims.items(), key=lambda claim: claim[1])
@@ -630,8 +630,8 @@ class TrainerPeer(SwarmPeer):
             )
             return False
         # one step more than claimed: a trainer alone may have stepped since the claim was read
-        if compat.take_state_of(self.optimizer, peer, step + 1, self.timing.load_state_timeout):
-            compat.state_taken(self.optimizer)
+        if accessors.take_state_of(self.optimizer, peer, step + 1, self.timing.load_state_timeout):
+            accessors.state_taken(self.optimizer)
             logger.info(f"joined at global step {self.optimizer.local_epoch}, from the state of peer {peer}")
             return True
         logger.warning(
@@ -646,7 +646,7 @@ class TrainerPeer(SwarmPeer):
         deadline = time.monotonic() + self.timing.join_wait
         logged = False
         while not self.stop and time.monotonic() < deadline:
-            starting = compat.starting_peers(self.optimizer)
+            starting = accessors.starting_peers(self.optimizer)
             if not starting:
                 return
             if not logged:
@@ -663,14 +663,14 @@ class TrainerPeer(SwarmPeer):
         whose own parameters are the first one's (the same --seed, the default) has nothing to download: at the
         real model sizes that download takes minutes on a volunteer's link (56.9 MB for sahajBERT's preset)."""
         run_id = self.args.swarm_args.run_id
-        own_digest = parameters_digest(compat.master_parameters(self.optimizer))
+        own_digest = parameters_digest(accessors.master_parameters(self.optimizer))
         if not metrics.declare_start(self.dht, run_id, self.public_key, self.dht.peer_id.to_base58(), own_digest):
             logger.warning("could not declare this trainer's initial parameters: trainers after it will download them")
         # the others' declarations reach the DHT within a few round trips of their start
         round_trip = self.link.round_trip_s if self.link is not None else adaptive.FALLBACK_LINK.round_trip_s
         time.sleep(max(2.0, 10 * round_trip))
-        own = compat.own_state_priority(self.optimizer)
-        earlier = {peer: p for peer, p in compat.state_priorities(self.optimizer).items() if own < p < 1.0}
+        own = accessors.own_state_priority(self.optimizer)
+        earlier = {peer: p for peer, p in accessors.state_priorities(self.optimizer).items() if own < p < 1.0}
         if not earlier:
             return
         first = max(earlier, key=earlier.get)
@@ -685,7 +685,7 @@ class TrainerPeer(SwarmPeer):
             logger.info("downloaded the first trainer's parameters")
         # hivemind set this peer's priority to its step (0): declare the start priority again, which tells the
         # others that this trainer is starting until it reports progress
-        compat.set_state_priority(self.optimizer, self.start_priority)
+        accessors.set_state_priority(self.optimizer, self.start_priority)
 
     @torch.no_grad()
     def _download_state(self) -> bool:
@@ -695,9 +695,9 @@ class TrainerPeer(SwarmPeer):
         a lagging peer), and a newcomer would then train with its own fresh optimizer statistics. A state that
         arrived changes the parameters: the swarm is at least one step past this peer's.
         """
-        before = [p.detach().clone() for p in compat.master_parameters(self.optimizer)]
+        before = [p.detach().clone() for p in accessors.master_parameters(self.optimizer)]
         self.optimizer.load_state_from_peers()
-        return any(not torch.equal(a, p) for a, p in zip(before, compat.master_parameters(self.optimizer)))
+        return any(not torch.equal(a, p) for a, p in zip(before, accessors.master_parameters(self.optimizer)))
 
     @property
     def _pending_update_timeout(self) -> float:
@@ -705,7 +705,7 @@ class TrainerPeer(SwarmPeer):
 
     def _apply_pending_updates(self, timeout: float | None = None, outer_round: bool = True) -> None:
         """Wait for every background step and averaging round; a checkpoint must not miss one that lands late."""
-        if not compat.apply_pending_updates(self.optimizer, timeout or self._pending_update_timeout, outer_round):
+        if not accessors.apply_pending_updates(self.optimizer, timeout or self._pending_update_timeout, outer_round):
             logger.warning("a background averaging round is still running: these parameters may miss its result")
 
     def _save(self, loss: float | None, pending_wait: float | None = None, final: bool = False) -> None:
@@ -773,13 +773,13 @@ class LastGoodState:
     def roll_back(self, reason: str) -> None:
         logger.warning(f"{reason}: rolling back to the last good state")
         # every round still running lands first: one that landed after the restore would bring the bad values back
-        compat.apply_pending_updates(self.optimizer, self.pending_update_timeout)
+        accessors.apply_pending_updates(self.optimizer, self.pending_update_timeout)
         self.restore()
         self.candidate, self.dropped_in_a_row, self.restored = None, 0, True
 
     def _tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         offloaded = [p for group in self.optimizer.opt.param_groups for p in group["params"]]
-        return compat.master_parameters(self.optimizer), offloaded
+        return accessors.master_parameters(self.optimizer), offloaded
 
     def parameters_finite(self) -> bool:
         main, offloaded = self._tensors()
@@ -791,7 +791,7 @@ class LastGoodState:
         no good one yet: the state a peer starts from was checked when loaded)."""
         main, _ = self._tensors()
         parameters = [p.detach().to("cpu", copy=True) for p in main]
-        state = (parameters, copy.deepcopy(self.optimizer.opt.state_dict()), compat.local_state(self.optimizer))
+        state = (parameters, copy.deepcopy(self.optimizer.opt.state_dict()), accessors.local_state(self.optimizer))
         if self.good is None:
             self.good = state
         else:
@@ -806,4 +806,4 @@ class LastGoodState:
             target.copy_(saved)
             copy_.copy_(saved)
         self.optimizer.opt.load_state_dict(copy.deepcopy(optimizer_state))
-        compat.restore_local_state(self.optimizer, local_state)
+        accessors.restore_local_state(self.optimizer, local_state)

@@ -27,9 +27,9 @@ from hivemind.utils.timed_storage import get_dht_time
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sahajbert import access, metrics, swarm  # noqa: E402
-from sahajbert import hivemind_compat as compat  # noqa: E402
 from sahajbert.adaptive import PROBE_PROTOCOL  # noqa: E402
 from sahajbert.arguments import SwarmArguments  # noqa: E402
+from sahajbert.hivemind_ext.identity import identity_key  # noqa: E402
 
 RPC_TIMEOUT = 20.0  # seconds for one direct RPC; a refused one answers at once
 PART_WAIT = 5.0  # seconds to wait for the answer to a part sent for no group
@@ -192,7 +192,7 @@ def member(args) -> dict:
     membership.start(dht, public_key)
     first, trainer = PeerID.from_base58(args.first[0].rsplit("/p2p/", 1)[1]), PeerID.from_base58(args.trainer)
     token = membership.authorizer.token
-    key = compat.identity_key(swarm_args.identity_path)
+    key = identity_key(swarm_args.identity_path)
     try:
         found = {"outsider_dht": raw_dht(args.first, args.run_id)}
 
@@ -238,7 +238,7 @@ def expired(args) -> dict:
     token = AccessToken.FromString(Path(args.token_file).read_bytes())
     wait = access.token_expiry(token) - get_dht_time() + 1.0
     time.sleep(max(0.0, wait))
-    key = compat.identity_key(args.identity)
+    key = identity_key(args.identity)
     first, trainer = PeerID.from_base58(args.first[0].rsplit("/p2p/", 1)[1]), PeerID.from_base58(args.trainer)
 
     async def direct():
@@ -270,6 +270,7 @@ def main() -> None:
     parser.add_argument("--token_file", required=True)
     parser.add_argument("--settle", type=float, default=3.0)
     args = parser.parse_args()
+    swarm.install_hivemind_ext()  # before any DHT starts here, the raw one included: each runs with the fence's bounds
     found = member(args) if args.phase == "member" else expired(args)
     print(json.dumps(found), flush=True)
 

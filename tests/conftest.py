@@ -74,6 +74,15 @@ def _fast_tests_start_no_peer(request, monkeypatch):
     yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _hivemind_ext_installed():
+    """The fence installed (`sahajbert.swarm.install_hivemind_ext`), as a peer does when it joins: every hivemind
+    object a test builds in this process (a DHT, an averager, an optimizer) runs with its bounds and patches."""
+    from sahajbert.swarm import install_hivemind_ext
+
+    install_hivemind_ext()
+
+
 @pytest.fixture(autouse=True)
 def _scripts_logging():
     """A script's main() run in-process points the root logger at that test's captured stderr: drop that after."""

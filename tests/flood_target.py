@@ -1,6 +1,6 @@
 """A peer for tests/test_bounds.py to flood: a DHT and a started state averager, on 127.0.0.1.
 
-`python tests/flood_target.py ours [VALUES [RATE,BURST]]` runs ours (sahajbert.hivemind_compat imported: its
+`python tests/flood_target.py ours [VALUES [RATE,BURST]]` runs ours (sahajbert.hivemind_ext installed: its
 stream-message and DHT bounds in force, GuardedStateAverager, the link probe served); `plain` runs hivemind's
 TrainingStateAverager without importing our package (the control). Prints one JSON line (the DHT's addresses, the DHT's
 and the averager's process ids, the all-reduce handler's name, its DHT request bounds), then runs until its stdin
@@ -24,15 +24,17 @@ PREFIX = "flood"
 def main() -> None:
     kind, values = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1000
     averager_class = TrainingStateAverager
-    if kind == "ours":  # imported before any hivemind process starts: each one forks with the bound in force
+    if kind == "ours":  # installed before any hivemind process starts: each one forks with the bounds in force
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from sahajbert import adaptive
-        from sahajbert import hivemind_compat as compat
+        from sahajbert import adaptive, swarm
+        from sahajbert.hivemind_ext.averaging.averager import GuardedStateAverager
+        from sahajbert.hivemind_ext.dht import protocol
 
-        averager_class = compat.GuardedStateAverager
+        swarm.install_hivemind_ext()
+        averager_class = GuardedStateAverager
         if len(sys.argv) > 3:
             rate, burst = sys.argv[3].split(",")
-            compat.DHT_REQUESTS_PER_SECOND, compat.DHT_REQUEST_BURST = float(rate), int(burst)
+            protocol.DHT_REQUESTS_PER_SECOND, protocol.DHT_REQUEST_BURST = float(rate), int(burst)
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     if kind == "ours":
         adaptive.serve_link_probe(dht)
@@ -50,7 +52,7 @@ def main() -> None:
     maddrs = [str(maddr) for maddr in dht.get_visible_maddrs()]
     info = {"maddrs": maddrs, "averager_pid": averager.pid, "dht_pid": dht.pid, "handler": handler}
     if kind == "ours":
-        info["dht_rate"], info["dht_burst"] = compat.DHT_REQUESTS_PER_SECOND, compat.DHT_REQUEST_BURST
+        info["dht_rate"], info["dht_burst"] = protocol.DHT_REQUESTS_PER_SECOND, protocol.DHT_REQUEST_BURST
     print(json.dumps(info), flush=True)
     sys.stdin.read()
     averager.shutdown()

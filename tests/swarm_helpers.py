@@ -173,9 +173,9 @@ def sgd_state_averager(dht, parameters: list, prefix: str, kind=None, momentum: 
 
     import torch
 
-    from sahajbert import hivemind_compat as compat
+    from sahajbert.hivemind_ext.averaging.averager import GuardedStateAverager
 
-    return (kind or compat.GuardedStateAverager)(
+    return (kind or GuardedStateAverager)(
         dht=dht,
         optimizer=partial(torch.optim.SGD, lr=0.1, momentum=momentum),
         params=parameters,

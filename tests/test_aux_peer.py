@@ -280,7 +280,7 @@ def test_the_aux_peer_checkpoints_logs_uploads_and_rescues_the_run(aux_swarm, tm
     assert aux_swarm.api_state()["alive_peers"] == 0
     aux_swarm.stop()
     # the busiest DHT traffic of the suite (a monitor refreshing every second, two trainers, a dashboard) stays within
-    # every peer's DHT request bounds (hivemind_compat.BoundedDHTProtocol): no honest request was refused
+    # every peer's DHT request bounds (hivemind_ext's BoundedDHTProtocol): no honest request was refused
     for peer in [organizer, monitor, *trainers]:
         assert "refused a DHT request" not in peer.output(), peer.output()[-3000:]
     saved = list_checkpoints(aux_swarm.tmp_path / "aux")

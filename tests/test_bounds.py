@@ -20,22 +20,19 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import as_aiter
 
-from sahajbert import hivemind_compat
 from sahajbert.adaptive import PROBE_CHUNK, PROBE_PROTOCOL
 from sahajbert.arguments import MAX_RECORD_LIFETIME
-from sahajbert.hivemind_compat import (
+from sahajbert.hivemind_ext.averaging.averager import MAX_REQUESTS_PER_PEER
+from sahajbert.hivemind_ext.dht import storage as bounded_storage
+from sahajbert.hivemind_ext.dht.protocol import (
     DHT_REQUEST_BURST,
     DHT_REQUESTS_PER_SECOND,
     MAX_DHT_CALLERS_TRACKED,
     MAX_DHT_KEYS_PER_REQUEST,
-    MAX_RECORD_BYTES,
-    MAX_REQUESTS_PER_PEER,
-    MAX_STORED_RECORDS,
-    MAX_STREAM_MESSAGE_BYTES,
-    RECOUNT_EVERY,
-    BoundedLocalStorage,
     _Allowance,
 )
+from sahajbert.hivemind_ext.dht.storage import MAX_RECORD_BYTES, MAX_STORED_RECORDS, RECOUNT_EVERY, BoundedLocalStorage
+from sahajbert.hivemind_ext.p2p import MAX_STREAM_MESSAGE_BYTES
 from sahajbert.localswarm import peer_env
 
 from .swarm_helpers import ROOT
@@ -132,7 +129,7 @@ def test_one_stream_message_cannot_fill_a_peers_memory(our_peer):
 
 async def receive(declared: int, sent: int) -> tuple[int | None, int]:
     """A p2p stream message that declares `declared` bytes and brings `sent`, read by P2P.receive_raw_data (ours,
-    installed by sahajbert.hivemind_compat): (the length of what it returned, None if it closed the stream; the
+    installed by sahajbert.hivemind_ext.install): (the length of what it returned, None if it closed the stream; the
     bytes left unread behind the header)."""
     reader = asyncio.StreamReader()
     reader.feed_data(declared.to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + bytes(sent))
@@ -208,7 +205,7 @@ def test_a_full_storage_has_room_again_once_records_expire(monkeypatch):
     # one fake clock, moved by the test: the DHT time that records expire by (hivemind's storage and our bounds read
     # it) and the storage's clock between two counts
     now = [get_dht_time()]
-    for module in (hivemind.utils.timed_storage, hivemind_compat):
+    for module in (hivemind.utils.timed_storage, bounded_storage):
         monkeypatch.setattr(module, "get_dht_time", lambda: now[0])
     storage = BoundedLocalStorage(clock=lambda: now[0])
     expiration = now[0] + RECOUNT_EVERY / 4

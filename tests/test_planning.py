@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from sahajbert import hivemind_compat as compat
 from sahajbert.arguments import SwarmArguments
+from sahajbert.hivemind_ext.p2p import relay_options
 from sahajbert.swarm import public_ip, relays_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,11 +81,11 @@ def test_plan_prints_days_and_rejects_a_bad_swarm_in_one_line(capsys):
 
 def test_relay_options_book_the_initial_peers_and_size_the_relay_for_averaging():
     first = "/ip4/31.77.0.1/tcp/31337/p2p/12D3KooWGWn1HNMv3LKnLgpbWQTqVjibrBXd37rwaD1WNqbMmSAQ"
-    options = compat.relay_options(True, [first], "auto", client_mode=False)
+    options = relay_options(True, [first], "auto", client_mode=False)
     assert options["dht"] == {"use_auto_relay": True, "trusted_relays": [first]}
     # static relays at once (no 3-minute discovery), and libp2p's largest limits (its 128 KiB default resets rounds)
     assert options["daemon"] == {"relayDataLimit": 1 << 32, "relayTimeLimit": "3600s", "relayDiscovery": False}
-    assert "use_auto_relay" not in compat.relay_options(True, [first], "auto", client_mode=True)["dht"]
-    assert compat.relay_options(False, [first], "private", False)["dht"] == {"force_reachability": "private"}
+    assert "use_auto_relay" not in relay_options(True, [first], "auto", client_mode=True)["dht"]
+    assert relay_options(False, [first], "private", False)["dht"] == {"force_reachability": "private"}
     assert public_ip(first) and not public_ip("/ip4/192.168.1.2/tcp/1") and not public_ip("/ip4/127.0.0.1/tcp/1")
     assert relays_of(SwarmArguments(initial_peers=[first])) == [first]

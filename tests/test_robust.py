@@ -245,7 +245,7 @@ def test_a_hostile_peer_in_a_pair_cannot_take_over_the_parameters():
     # contribution to its own part, and the x1e4 average the other reducer returns is refused by the honest receiver
     from types import SimpleNamespace
 
-    from sahajbert import hivemind_compat as compat
+    from sahajbert import hivemind_ext as compat
     from sahajbert.stopping import FINAL_GROUP_BITS
 
     start = torch.randn(20000, generator=torch.Generator().manual_seed(0))
@@ -279,7 +279,7 @@ def test_a_peer_left_out_leads_no_group_of_this_peer():
     # leader), so no round forms and A keeps its parameters
     from types import SimpleNamespace
 
-    from sahajbert import hivemind_compat as compat
+    from sahajbert import hivemind_ext as compat
     from sahajbert.stopping import FINAL_GROUP_BITS
 
     peers = []
@@ -454,7 +454,7 @@ def test_a_newcomer_refuses_a_corrupted_state_and_downloads_the_next_peers():
 
     from hivemind.optim.state_averager import TrainingStateAverager
 
-    from sahajbert import hivemind_compat as compat
+    from sahajbert import hivemind_ext as compat
 
     honest_values = torch.randn(1000, generator=torch.Generator().manual_seed(0))
     averagers = []
@@ -499,7 +499,7 @@ def test_a_peer_takes_the_state_of_the_one_peer_it_names():
     # that one first), and a peer that serves no state gives none
     from types import SimpleNamespace
 
-    from sahajbert import hivemind_compat as compat
+    from sahajbert import hivemind_ext as compat
 
     averagers = []
     with loopback_dhts(3) as dhts:
@@ -535,7 +535,7 @@ def test_gradient_averagers_serve_no_state():
     # hivemind's plain GradientAverager (the control) serves its buffers
     from hivemind.optim.grad_averager import GradientAverager
 
-    from sahajbert import hivemind_compat as compat
+    from sahajbert import hivemind_ext as compat
 
     averagers = []
     with loopback_dhts(3) as dhts:
@@ -572,7 +572,7 @@ def test_a_client_mode_peer_joins_a_leader_whose_round_is_scheduled_after_its_ow
     # new time (at +60 s); a client-mode peer offers its deadline instead, so the group forms at once
     from hivemind.utils import get_dht_time
 
-    from sahajbert import hivemind_compat as compat
+    from sahajbert import hivemind_ext as compat
 
     averagers = []
     with loopback_dhts(2) as dhts:
@@ -609,7 +609,7 @@ def test_a_part_of_another_shape_is_dropped(misshapen):
 
     from hivemind.averaging.partition import TensorPartReducer
 
-    from sahajbert.hivemind_compat import RobustTensorPartReducer
+    from sahajbert.hivemind_ext.averaging.allreduce import RobustTensorPartReducer
 
     good = honest(2, size=4)
 
@@ -633,7 +633,7 @@ def test_a_part_of_another_shape_is_dropped(misshapen):
 
 
 def test_state_downloads_back_off_after_failures_and_never_loop():
-    from sahajbert.hivemind_compat import DOWNLOAD_BACKOFF_MAX, DownloadBackoff
+    from sahajbert.hivemind_ext.optim.optimizer import DOWNLOAD_BACKOFF_MAX, DownloadBackoff
 
     now = [0.0]
     downloads = DownloadBackoff(clock=lambda: now[0])

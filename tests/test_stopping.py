@@ -1,7 +1,9 @@
-"""The stop and final-round rules, run through the hivemind adapter against stand-ins for hivemind's internals.
+"""The stop and final-round rules, run through the hivemind fence against stand-ins for hivemind's internals, and
+the fence's installation: what an upgrade of hivemind must check first (see `sahajbert.hivemind_ext`'s docstring).
 
-The stand-ins are shaped like what `sahajbert.hivemind_compat` reads (hivemind 1.1.12): the optimizer's tracker,
-its pre-scheduled rounds and its state averager. Our own code runs unchanged on them.
+The stand-ins are shaped like what `sahajbert.hivemind_ext.optim.accessors` reads (hivemind 1.1.12): the
+optimizer's tracker, its pre-scheduled rounds and its state averager. Our own code runs unchanged on them. The
+patches are checked against the installed hivemind itself: each name they replace exists, and holds ours.
 """
 
 import threading
@@ -15,7 +17,7 @@ from hivemind.compression import Float16Compression, NoCompression
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
-from sahajbert import hivemind_compat as compat
+from sahajbert import hivemind_ext as compat
 from sahajbert.stopping import (
     FINAL_GROUP_BITS,
     FinalRound,
@@ -356,3 +358,42 @@ def test_a_final_round_that_came_back_partial_settles_on_one_peers_parameters(re
     settlement = settle(records)
     assert settlement.source == source and settlement.takers == takers
     assert settle(list(reversed(records))) == settlement, "the same on every peer, whatever order it reads them in"
+
+
+def installed_value(patch):
+    return patch.owner[patch.name] if isinstance(patch.owner, dict) else getattr(patch.owner, patch.name)
+
+
+def is_ours(patch) -> bool:
+    made = patch.make()
+    if isinstance(made, staticmethod):
+        return installed_value(patch) is made.__func__
+    if isinstance(made, type):
+        return installed_value(patch) is made
+    return type(installed_value(patch)) is type(made)  # a codec instance
+
+
+def test_install_applies_every_patch_once_and_keeps_the_policies():
+    from sahajbert import robust
+    from sahajbert.arguments import MAX_RECORD_LIFETIME
+    from sahajbert.hivemind_ext import patches, policy
+
+    # installed for the session by conftest.py, as a peer installs it when it joins
+    assert all(is_ours(patch) for patch in patches.PATCHES), [p.replaces for p in patches.PATCHES if not is_ours(p)]
+    before = [installed_value(patch) for patch in patches.PATCHES]
+    compat.install(rules=robust, max_record_lifetime=MAX_RECORD_LIFETIME)
+    assert [installed_value(patch) for patch in patches.PATCHES] == before  # idempotent: nothing made anew
+    assert policy.rules() is robust and policy.max_record_lifetime() == MAX_RECORD_LIFETIME
+
+
+def test_install_refuses_a_hivemind_other_than_the_one_the_fence_follows(monkeypatch):
+    import hivemind
+
+    from sahajbert.cli import UserError
+    from sahajbert.swarm import install_hivemind_ext
+
+    monkeypatch.setattr(hivemind, "__version__", "1.1.13")
+    with pytest.raises(compat.UnsupportedHivemind, match="pip install hivemind==1.1.12"):
+        compat.install(rules=None, max_record_lifetime=1.0)
+    with pytest.raises(UserError, match="hivemind 1.1.13 is installed"):
+        install_hivemind_ext()

@@ -5,11 +5,11 @@ import re
 
 import torch
 
-from sahajbert import hivemind_compat as compat
 from sahajbert.arguments import PeerArguments
 from sahajbert.checkpoints import list_checkpoints
 from sahajbert.cli import parse_args
 from sahajbert.compute import Compute, LocalCompute
+from sahajbert.hivemind_ext.optim import accessors
 from sahajbert.localswarm import tiny_trainer_flags
 from sahajbert.model import build_model
 from sahajbert.signals import StopRequest
@@ -105,7 +105,7 @@ def test_a_step_that_would_take_hours_is_said_once_with_what_to_try(tmp_path, ca
         with caplog.at_level(logging.INFO, logger="sahajbert.trainer"), TrainerPeer(peer_args) as peer:
             peer.run(stop)
             # the pace is the swarm's: this peer alone, at the samples/s its own progress lines said
-            position = compat.position(peer.optimizer)
+            position = accessors.position(peer.optimizer)
     finally:
         logging.getLogger("sahajbert.trainer").removeHandler(handler)
     told = [
@@ -117,7 +117,7 @@ def test_a_step_that_would_take_hours_is_said_once_with_what_to_try(tmp_path, ca
 
 def test_the_pace_warning_names_the_tiny_model_to_a_cpu_running_a_real_preset():
     def at(seconds_left, accumulated=0, target=4096):
-        return compat.SwarmPosition(0, 0, 1, accumulated, target, False, False, seconds_left)
+        return accessors.SwarmPosition(0, 0, 1, accumulated, target, False, False, seconds_left)
 
     assert slow_pace_warning(at(None), "sahajbert", "cpu") is None, "no pace measured yet"
     assert slow_pace_warning(at(600), "sahajbert", "cpu") is None, "10 minutes per step is no news"

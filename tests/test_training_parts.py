@@ -17,7 +17,7 @@ import torch
 from transformers import AlbertConfig, AlbertForPreTraining
 
 from sahajbert import checkpoints
-from sahajbert import hivemind_compat as compat
+from sahajbert import hivemind_ext as compat
 from sahajbert.arguments import (
     AveragingArguments,
     CollaborativeOptimizerArguments,
@@ -477,11 +477,9 @@ def test_is_finite_finds_every_nan_and_infinity_and_nothing_else(check):
 @pytest.mark.parametrize("kind", ["UNIFORM_8BIT", "QUANTILE_8BIT"])
 def test_8bit_codecs_decode_what_they_encode(kind):
     """hivemind 1.1.12's own 8-bit decoders fail under numpy >= 2.4 (every received part was dropped); the adapter
-    registers fixed ones in their place."""
+    registers fixed ones in their place (`install()`, called for the whole session by conftest.py)."""
     from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
     from hivemind.proto import runtime_pb2
-
-    import sahajbert.hivemind_compat  # noqa: F401 registers the decoders
 
     values = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 3 + 1.5
     decoded = deserialize_torch_tensor(serialize_torch_tensor(values, getattr(runtime_pb2, kind)))
@@ -528,7 +526,7 @@ def test_adaptive_compression_sends_parts_up_to_2_16_values_in_fp16_and_larger_o
 def an_absent_peer(optimizer, dht, run_id: str):
     """Beside a lonely optimizer, a peer that reports progress toward its step and never comes to its averaging
     rounds (tests/absent_peer.py), from when that peer is seen: the optimizer's rounds look for it and fail."""
-    from sahajbert import hivemind_compat as compat
+    from sahajbert import hivemind_ext as compat
     from sahajbert.localswarm import wait_for
 
     absent = subprocess.Popen(
@@ -555,7 +553,7 @@ def diloco_with_an_absent_peer(tokenizer, run_id: str, overlap: bool = False, av
     """A lonely DiLoCo optimizer (3 inner steps, rounds of `averaging_timeout` seconds) beside `an_absent_peer`: its
     outer round looks for that peer and fails. Yields the model, the optimizer (after 2 inner steps) and the
     parameters before those steps (in the outer parameters' order)."""
-    from sahajbert import hivemind_compat as compat
+    from sahajbert import hivemind_ext as compat
 
     model, optimizer, dht = lonely_diloco(tokenizer, run_id, averaging_timeout=averaging_timeout, overlap=overlap)
     try:
@@ -573,7 +571,7 @@ def test_a_lockstep_step_whose_gradient_round_found_nobody_makes_no_parameter_ro
     # lockstep: a gradient round in the foreground, then a parameter round. Peers one round out of phase (each in its
     # gradient round while the others are in their parameter round) found nobody in either, for good: a peer whose
     # gradient round found nobody makes no parameter round at that step, and its next gradient round meets theirs
-    from sahajbert import hivemind_compat as compat
+    from sahajbert import hivemind_ext as compat
     from sahajbert.adaptive import RoundMonitor
 
     run_id = "lockstep-phase"
@@ -602,7 +600,7 @@ def test_a_failed_outer_round_steps_on_the_peers_own_pseudo_gradient(tokenizer, 
     # another peer reports progress, so the outer round looks for it, and never comes to the round, which fails: the
     # outer step takes this peer's own pseudo-gradient (hivemind's fallback gave it zeros: the model went back to
     # where its inner steps began)
-    from sahajbert import hivemind_compat as compat
+    from sahajbert import hivemind_ext as compat
 
     with diloco_with_an_absent_peer(tokenizer, "diloco-failed-round") as (model, optimizer, start):
         params = compat.master_parameters(optimizer)
@@ -649,7 +647,7 @@ def test_an_overlapped_outer_round_runs_behind_the_next_inner_steps_which_keep_t
     # --diloco_overlap: the round (here one that fails: the other peer never comes) runs while the trainer goes on;
     # its outer step then moves the model by as much as it moved the outer parameters, and what the model did since
     # the round was sent stays in it
-    from sahajbert import hivemind_compat as compat
+    from sahajbert import hivemind_ext as compat
     from sahajbert.localswarm import wait_for
 
     with diloco_with_an_absent_peer(tokenizer, "diloco-overlap", overlap=True) as (model, optimizer, start):
@@ -714,7 +712,7 @@ def test_an_overlapping_diloco_trainer_goes_on_with_inner_steps_while_its_round_
     # steps go on until it ends, at the latest the (H + H/10)-th (at least H + 1), and the next round, sent then,
     # carries them all. The round here ends (fails) only once the trainer waits for it.
     run = diloco_with_an_absent_peer(tokenizer, "diloco-go-on", overlap=True, averaging_timeout=HELD_ROUND_TIMEOUT)
-    with run as (model, optimizer, _), attached(CallOffWhenAwaited(optimizer), "sahajbert.hivemind_compat") as waits:
+    with run as (model, optimizer, _), attached(CallOffWhenAwaited(optimizer), "sahajbert.hivemind_ext") as waits:
         train_one_batch(model, optimizer)  # the 3rd inner step: the round is sent, and looks for the absent peer
         for _ in range(2):
             train_one_batch(model, optimizer)
@@ -743,7 +741,7 @@ def test_a_round_called_off_is_called_off_once(tokenizer):
     from hivemind.averaging.control import AveragingStage
     from hivemind.utils import get_dht_time
 
-    from sahajbert import hivemind_compat as compat
+    from sahajbert import hivemind_ext as compat
     from sahajbert.localswarm import wait_for
     from sahajbert.stopping import FINAL_GROUP_BITS
 
@@ -782,7 +780,7 @@ class NotedStores:
 def test_a_diloco_trainer_publishes_its_progress_once_per_round_not_at_every_inner_step(tokenizer):
     # the swarm reads a DiLoCo trainer's step and presence from its progress record; its samples start nothing, and
     # a DHT store at every inner step was most of what a trainer sent on a slow link
-    from sahajbert import hivemind_compat as compat
+    from sahajbert import hivemind_ext as compat
     from sahajbert.localswarm import wait_for
 
     model, optimizer, dht = lonely_diloco(tokenizer, "diloco-quiet")
@@ -841,7 +839,7 @@ def test_a_diloco_trainer_publishes_the_runs_last_step_at_once(tokenizer):
 def test_a_diloco_trainer_reads_the_swarm_ahead_of_its_outer_round_and_does_not_wait_for_it(tokenizer):
     # the outer round starts on a fresh read of the swarm's progress (its peers, its step): asked for halfway
     # through the round, it is in by the H-th step, which then waits for no DHT read
-    from sahajbert import hivemind_compat as compat
+    from sahajbert import hivemind_ext as compat
     from sahajbert.localswarm import wait_for
 
     model, optimizer, dht = lonely_diloco(tokenizer, "diloco-read-ahead", inner_steps=4)
@@ -871,7 +869,7 @@ def test_an_overlapping_diloco_trainer_reads_ahead_while_its_last_round_is_still
     # with overlap, a round is often still in flight halfway through the next one: the read for the next outer round
     # is asked for then too, and the H-th step does not wait for it (asked only once the round had ended, it often
     # came in after the H-th step, which then waited for it)
-    from sahajbert import hivemind_compat as compat
+    from sahajbert import hivemind_ext as compat
     from sahajbert.localswarm import wait_for
 
     run = diloco_with_an_absent_peer(
@@ -895,7 +893,7 @@ def test_an_overlapping_diloco_trainers_second_round_reads_ahead_at_step_0(token
     # with overlap the second round is sent at step 0 too, while the first (the run's first global step) is in
     # flight: it reads ahead like every later round (and `outer_round_in_flight`, which tells the trainer not to wait
     # for starting trainers again, holds)
-    from sahajbert import hivemind_compat as compat
+    from sahajbert import hivemind_ext as compat
 
     run = diloco_with_an_absent_peer(
         tokenizer, "diloco-read-second", overlap=True, averaging_timeout=HELD_ROUND_TIMEOUT
@@ -936,7 +934,7 @@ def test_a_step_change_does_not_wait_for_a_progress_read_and_the_read_it_overtoo
     # (an overtaken read is still taken in: a peer whose steps come faster than its reads would never take one)
     import hivemind
 
-    from sahajbert import hivemind_compat as compat
+    from sahajbert import hivemind_ext as compat
     from sahajbert.localswarm import wait_for
 
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])

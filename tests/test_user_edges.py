@@ -377,8 +377,10 @@ LEAVES_AT_ONCE = """
 import os, sys
 import hivemind
 from hivemind.utils import get_dht_time
-from sahajbert.hivemind_compat import drain_dht_calls
+from sahajbert.hivemind_ext.dht.process import drain_dht_calls
+from sahajbert.swarm import install_hivemind_ext
 
+install_hivemind_ext()
 dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
 print(*dht.get_visible_maddrs(), flush=True)
 sys.stdin.readline()  # (the test's reader has joined)
@@ -515,7 +517,7 @@ def test_hivemind_errors_a_user_cannot_act_on_are_one_line_shown_only_with_verbo
 def test_a_dht_request_whose_sender_exited_is_an_error_hivemind_reads_past():
     import multiprocessing as mp
 
-    from sahajbert.hivemind_compat import RequestPipe
+    from sahajbert.hivemind_ext.dht.process import RequestPipe
 
     reader, writer = mp.Pipe(duplex=False)
     writer.close()  # the sender is gone: reading fails with EOFError, which would end hivemind's DHT process

@@ -222,10 +222,17 @@ def assert_one_error(code: int, stderr: str, message: str) -> str:
     return errors[0]
 
 
-def quiet(output: str) -> None:
+# what a healthy run's terminal never shows: an error line (ours or hivemind's) or a Python warning of a library
+ALARMS = re.compile(r"^\S+ ERROR |\[ERROR\]|\b\w*Warning: ", re.M)
+
+
+def quiet(output: str, healthy: bool = False) -> None:
     """A peer's terminal shows one line per event: none of hivemind's per-refresh or start-up lines, no asyncio noise,
-    no traceback, no repeated save."""
+    no traceback, no repeated save; and with `healthy` (a run where nothing went wrong), no error line and no
+    library's warning."""
     for noise in ("ETA ", "Task was destroyed", "It is recommended to use request_timeout", "Traceback"):
         assert noise not in output, f"{noise!r} in:\n{output[-3000:]}"
+    alarms = ALARMS.findall(output) if healthy else []
+    assert not alarms, f"{alarms} in:\n{output[-3000:]}"
     saved = re.findall(r"saved checkpoint (\S+)", output)
     assert len(saved) == len(set(saved)), saved

@@ -72,6 +72,8 @@ def test_make_demo_trains_two_peers_together_and_prints_its_summary(demo):
     logs = [train_log(output / f"trainer{i}") for i in range(2)]
     assert all(max(r.peers for r in log) == 2 for log in logs), [[r.peers for r in log] for log in logs]
     outputs = [(output / f"trainer{i}.log").read_text() for i in range(2)]
+    for out in [printed, *outputs]:
+        quiet(out, healthy=True)
     assert not any("starting from its parameters" in out for out in outputs), outputs[1][-3000:]
     assert any("final parameters averaged by 2 peers" in out for out in outputs), outputs[0][-3000:]
 
@@ -166,7 +168,7 @@ def test_a_trainer_stopped_by_sigterm_leaves_no_orphans_and_resumes_from_its_che
         organizer.stop()
     # each run's terminal: one line per event, with the default logging a user gets
     for run in (peer, resumed):
-        quiet(run.output())
+        quiet(run.output(), healthy=True)
     assert f"resuming from {tmp_path / 'resume' / f'checkpoint-{stopped_at}'}" in resumed.output(), resumed.output()
     steps = [r.step for r in train_log(tmp_path / "resume")]
     assert steps == list(range(1, stopped_at + 3)), steps

@@ -339,6 +339,40 @@ def test_the_error_line_is_the_last_line_even_when_a_closed_loop_future_is_colle
     assert result.stderr.strip().splitlines()[-1] == "error: the organizer no longer admits you", result.stderr
 
 
+# a stream server whose handler fails, as hivemind's p2p daemon client's does now and then (plain hivemind peers too)
+FAILING_STREAM_HANDLER = """
+import asyncio
+from sahajbert import cli
+
+async def handler(reader, writer):
+    raise RuntimeError("cannot reuse already awaited coroutine")
+
+async def serve_one_stream():
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    _, writer = await asyncio.open_connection(*server.sockets[0].getsockname()[:2])
+    await asyncio.sleep(0.5)
+    writer.close()
+    server.close()
+
+def main():
+    cli.setup_logging()
+    asyncio.run(serve_one_stream())
+    return 0
+
+cli.run(main)
+"""
+
+
+def test_a_stream_the_p2p_client_drops_is_one_info_line_not_an_error_with_a_traceback():
+    result = subprocess.run(
+        [sys.executable, "-c", FAILING_STREAM_HANDLER], capture_output=True, text=True, timeout=60, env=peer_env()
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert " INFO asyncio: hivemind's p2p client dropped an incoming stream (RuntimeError" in lines[0], lines
+
+
 # a script whose main() ends while a child process that ignores SIGTERM is still running (Python's exit handler
 # terminates such a child and then joins it without a time limit)
 STUCK_CHILD_AT_EXIT = """

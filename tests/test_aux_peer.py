@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AlbertForPreTraining, AutoModel
 
-from sahajbert.checkpoints import list_checkpoints
+from sahajbert.checkpoints import list_checkpoints, read_state
 from sahajbert.localswarm import PeerProcess, wait_for
 from sahajbert.metrics import RECENT_STEPS, LocalMetrics, StepEntry
 from sahajbert.monitor import FinalModel, SwarmMonitor
@@ -348,7 +348,7 @@ def test_the_aux_peer_checkpoints_logs_uploads_and_rescues_the_run(aux_swarm, tm
     aux_last = list_checkpoints(tmp_path / "rescue")[-1]
     own_last = list_checkpoints(tmp_path / "newcomer")[-1]
     assert aux_last[0] == own_last[0] == final_step
-    assert json.loads((aux_last[1] / "state.json").read_text())["final"] is True
+    assert read_state(aux_last[1])["final"] is True
     final, own = AutoModel.from_pretrained(aux_last[1]), AutoModel.from_pretrained(own_last[1])
     for (name, tensor), theirs in zip(final.state_dict().items(), own.state_dict().values()):
         torch.testing.assert_close(tensor, theirs, rtol=1e-3, atol=1e-3, msg=name)

@@ -343,6 +343,10 @@ def state_taken(optimizer: hivemind.Optimizer) -> None:
         optimizer.downloads.done(True, optimizer.tracker.max_refresh_period)
 
 
+TAKE_ATTEMPTS = 3  # downloads of one named peer's state tried before giving up
+TAKE_RETRY_PAUSE = 1.0  # seconds between two of them
+
+
 def take_state_of(optimizer: hivemind.Optimizer, peer_id: str, step: int, timeout: float) -> bool:
     """Download the training state (parameters included) at global step `step` from peer `peer_id` (base58) alone
     and take it, waiting at most `timeout` seconds; whether it came."""
@@ -351,11 +355,22 @@ def take_state_of(optimizer: hivemind.Optimizer, peer_id: str, step: int, timeou
     # would refuse a final state of any later step
     averager.state_step_ceiling = step
     before = averager.states_downloaded
-    try:
-        averager.load_state_from_peers(source=peer_id, timeout=timeout)
-    except TimeoutError:
-        return False
-    return averager.states_downloaded > before
+    deadline = time.monotonic() + timeout
+    # asked again (TAKE_ATTEMPTS in all, within `timeout`): a stream cut short (the sender busy, a connection reset)
+    # says nothing of the state; a peer whose state failed the checks is left out, and asked no more
+    for attempt in range(TAKE_ATTEMPTS):
+        try:
+            averager.load_state_from_peers(source=peer_id, timeout=max(1.0, deadline - time.monotonic()))
+        except TimeoutError:
+            return False
+        if averager.states_downloaded > before:
+            return True
+        left_out = {PeerID(peer).to_base58() for peer in averager.left_out_peers()}
+        if peer_id in left_out or deadline - time.monotonic() < TAKE_RETRY_PAUSE + 1.0:
+            return False
+        if attempt + 1 < TAKE_ATTEMPTS:
+            time.sleep(TAKE_RETRY_PAUSE)
+    return False
 
 
 def unbacked_claims(optimizer: hivemind.Optimizer) -> dict[str, int]:

@@ -62,6 +62,7 @@ LAST_RECORD_WAIT = 10.0
 # a global step that the swarm's pace makes longer than this (seconds) is said once, with what to try instead
 SLOW_STEP_SECONDS = 3600.0
 SMALL_MODELS = ("tiny", "tiny-xl")
+UNMEASURED_PACE = 1e-6  # samples/s below which the swarm's pace is not measured yet (a step would take 130 years)
 
 
 @dataclass
@@ -107,6 +108,8 @@ def slow_pace_warning(position: accessors.SwarmPosition, model: str, device_kind
     if position.seconds_to_next_step is None or position.seconds_to_next_step <= 0 or remaining <= 0:
         return None
     samples_per_second = remaining / position.seconds_to_next_step
+    if samples_per_second < UNMEASURED_PACE:  # hivemind's estimate before any peer measured its pace (1e-20)
+        return None
     step_seconds = position.target_batch_size / samples_per_second
     if step_seconds < SLOW_STEP_SECONDS:
         return None

@@ -120,6 +120,7 @@ def test_the_pace_warning_names_the_tiny_model_to_a_cpu_running_a_real_preset():
         return accessors.SwarmPosition(0, 0, 1, accumulated, target, False, False, seconds_left)
 
     assert slow_pace_warning(at(None), "sahajbert", "cpu") is None, "no pace measured yet"
+    assert slow_pace_warning(at(4096 / 1e-20), "sahajbert", "cpu") is None, "hivemind's pace before a measurement"
     assert slow_pace_warning(at(600), "sahajbert", "cpu") is None, "10 minutes per step is no news"
     # 0.1 samples/s: 4,096 samples in 11.4 h
     line = slow_pace_warning(at(40_960 - 1_000, accumulated=100), "sahajbert", "cpu")

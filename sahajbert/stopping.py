@@ -168,11 +168,9 @@ def settle(records: list[FinishedRecord]) -> Settlement:
     serve it. A complete peer takes nothing from a complete source: it holds the same average already."""
     if all(record.complete for record in records):
         return Settlement()
-    servers = [record for record in records if record.serves_state]
-    candidates = [record for record in servers if record.complete] or servers
-    if not candidates:
+    source = _source(records)
+    if source is None:
         return Settlement()
-    source = min(candidates, key=lambda record: record.peer_id)
     takers = frozenset(
         record.peer_id
         for record in records
@@ -182,12 +180,15 @@ def settle(records: list[FinishedRecord]) -> Settlement:
 
 
 def final_source(records: list[FinishedRecord]) -> str | None:
-    """The peer (base58) whose parameters are the run's final model, by the rule `settle` follows: the source a
-    partial round settled on, else the lowest peer id among the complete peers that serve their state, else among
-    all that serve it; None if none serves it (client-mode peers only)."""
-    settled = settle(records).source
-    if settled is not None:
-        return settled
+    """The peer (base58) whose parameters are the run's final model, by `settle`'s rule (whether or not a part came
+    back partial); None if none serves its state (client-mode peers only)."""
+    source = _source(records)
+    return None if source is None else source.peer_id
+
+
+def _source(records: list[FinishedRecord]) -> FinishedRecord | None:
+    """The lowest peer id among the peers that serve their state and got all their parts back, else among all that
+    serve it."""
     servers = [record for record in records if record.serves_state]
     candidates = [record for record in servers if record.complete] or servers
-    return min((record.peer_id for record in candidates), default=None)
+    return min(candidates, key=lambda record: record.peer_id, default=None)

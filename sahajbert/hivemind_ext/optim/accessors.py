@@ -199,14 +199,7 @@ def starting_peers(optimizer: hivemind.Optimizer) -> set[PeerID]:
     announced = {peer for peer, priority in state_priorities(optimizer).items() if 0 < priority < 1}
     if not announced:
         return set()
-    found = optimizer.dht.get(optimizer.tracker.training_progress_key, latest=True)
-    entries = found.value if found is not None and isinstance(found.value, dict) else {}
-    reporting = {
-        PeerID(entry.value["peer_id"])
-        for entry in entries.values()
-        if isinstance(entry.value, dict) and "peer_id" in entry.value
-    }
-    return announced - reporting
+    return announced - {PeerID.from_base58(peer) for peer in progress_peers(optimizer)}
 
 
 def progress_peers(optimizer: hivemind.Optimizer) -> set[str]:

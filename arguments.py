@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """Every flag of every script, one group per concern: `python arguments.py` prints them all with their help.
 
-The groups are dataclasses defined once in `sahajbert/arguments.py` (the library types its parameters with them)
-and re-exported here. Each script's `--help` shows the flags it takes, one group per concern; each also accepts a
-settings `.json` file of these fields before its flags, which override it.
+The groups are dataclasses defined once in `sahajbert/flags/` (a module per part of the run; fine-tuning's and
+evaluation's in `sahajbert/flags/finetune.py`): the library types its parameters with them, and this page re-exports
+them. Each script's `--help` shows the flags it takes, one group per concern; each also accepts a settings `.json`
+file of these fields before its flags, which override it.
 
 | group | what it sets | scripts |
 |---|---|---|
@@ -24,15 +25,12 @@ settings `.json` file of these fields before its flags, which override it.
 | EvaluationArguments | models, seeds, tasks, per-task flags | finetune/evaluate.py |
 """
 
-from sahajbert.arguments import (
+from sahajbert.flags import (
     AuthorityArguments,
     AuxPeerArguments,
     AveragingArguments,
     CollaborativeOptimizerArguments,
     CorpusArguments,
-    EvaluationArguments,
-    FinetuneArguments,
-    FinetuneTrainingArguments,
     LocalSwarmArguments,
     LocalTrainingArguments,
     ModelArguments,
@@ -42,6 +40,7 @@ from sahajbert.arguments import (
     TokenizerTrainingArguments,
     TrainerScriptArguments,
 )
+from sahajbert.flags.finetune import EvaluationArguments, FinetuneArguments, FinetuneTrainingArguments
 
 __all__ = [
     "AuthorityArguments",

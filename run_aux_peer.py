@@ -5,8 +5,8 @@ Monitors the swarm (log, wandb, dashboard), saves its state as checkpoints, uplo
 all-reduce without training, and can serve a saved state to rescue a run whose peers all left.
 """
 
-from sahajbert.arguments import RECIPE_EXPANSION, AuxPeerArguments, PeerArguments
 from sahajbert.cli import Flags, parse_args, run, setup_logging
+from sahajbert.flags import RECIPE_EXPANSION, AuxPeerArguments, PeerArguments
 
 # The aux peer trains nothing: batch, device and data flags, and the final round (the trainers' ending), are not
 # listed. They are accepted and ignored, so that one settings file or command line serves the trainers and the aux

@@ -4,8 +4,8 @@
 import logging
 from pathlib import Path
 
-from sahajbert.arguments import AuthorityArguments, SwarmArguments
 from sahajbert.cli import Flags, UserError, parse_args, run, setup_logging
+from sahajbert.flags import AuthorityArguments, SwarmArguments
 
 logger = logging.getLogger("first_peer")
 FLAGS = Flags(
@@ -38,7 +38,7 @@ def main(argv=None) -> int:
         raise UserError("the first peer cannot run with --reachability private: every volunteer connects to it")
     from sahajbert.access import SwarmAccess, ensure_identity, read_allowlist
     from sahajbert.hivemind_ext.dht.process import drain_dht_calls
-    from sahajbert.metrics import make_validators
+    from sahajbert.records import make_validators
     from sahajbert.signals import StopRequest, ignoring_signals
     from sahajbert.swarm import build_dht, initial_peers_line
 

@@ -6,8 +6,8 @@ import shutil
 import time
 from pathlib import Path
 
-from sahajbert.arguments import LocalSwarmArguments
 from sahajbert.cli import Flags, parse_args, run, setup_logging
+from sahajbert.flags import LocalSwarmArguments
 
 logger = logging.getLogger("local_swarm")
 HERE = Path(__file__).resolve().parent  # the trainer and first-peer scripts beside this one

@@ -6,8 +6,8 @@
 
 import sys
 
-from sahajbert.arguments import RECIPE_EXPANSION, PeerArguments, TrainerScriptArguments
 from sahajbert.cli import Flags, parse_args, run, setup_logging
+from sahajbert.flags import RECIPE_EXPANSION, PeerArguments, TrainerScriptArguments
 
 FLAGS = Flags(
     (PeerArguments, TrainerScriptArguments),

@@ -25,8 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def plain_loop(args) -> None:
     """The --plain child: prints {"samples_per_second": ...} after its measured passes."""
-    from sahajbert.arguments import CorpusArguments
     from sahajbert.collators import PretrainingCollator
+    from sahajbert.flags import CorpusArguments
     from sahajbert.model import build_model
     from sahajbert.optim import Lamb, parameter_groups
     from sahajbert.stream import Prefetcher, batched, iterate_examples

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from sahajbert.access import add_invite
-from sahajbert.arguments import CorpusArguments
 from sahajbert.collators import PretrainingCollator
+from sahajbert.flags import CorpusArguments
 from sahajbert.localswarm import PeerProcess, start_first_peer, tiny_trainer_flags
 from sahajbert.model import build_model
 from sahajbert.optim import Lamb, parameter_groups

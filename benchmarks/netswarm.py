@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sahajbert.adaptive import payload_bytes, state_download_bytes
-from sahajbert.arguments import LocalTrainingArguments
 from sahajbert.checkpoints import list_checkpoints
+from sahajbert.flags import LocalTrainingArguments
 from sahajbert.localswarm import (
     AGREEMENT_ATOL,
     AGREEMENT_RTOL,
@@ -41,6 +41,7 @@ from sahajbert.localswarm import (
 from sahajbert.train_log import read_train_log
 
 REPO = Path(__file__).resolve().parents[1]  # the scripts each namespace runs
+HERE = Path(__file__).resolve().parent
 
 SUBNET = "10.77.{}.{}"  # private addresses that exist only inside this benchmark's namespaces
 # --nat: the "internet" between the routers gets public-looking addresses (they too exist only inside these
@@ -419,24 +420,39 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
                 print(f"--check {situation}: {checks[situation]}", flush=True)
 
         started_at: dict[str, float] = {}
+        held: dict[str, tuple[PeerProcess, Path]] = {}  # replacements started ahead, waiting for their release
         host_of: dict[str, str] = {}
         nat_of: dict[str, bool] = {}
         client_of: dict[str, bool] = {}
         port_of: dict[str, str] = {}  # the hub-side port of the trainer's link (its router's, behind NAT)
 
-        def start_trainer(index: int, client: bool, newcomer: bool = False) -> str:
-            name = f"trainer{len(trainers)}"
+        def start_trainer(index: int, client: bool, newcomer: bool = False, go: Path | None = None) -> str:
+            """Start the trainer of host `index`; with `go`, held (imports done) until that file exists: its start
+            counts from its release (`release`)."""
+            name = f"trainer{len(trainers) + len(held)}"
             ns, ip = hosts[index]
             started_at[name], host_of[name], nat_of[name] = time.time(), ns, hosts[index] != routers[index]
             client_of[name], port_of[name] = client, f"v{index}"
             # a volunteer at home whose NAT no relay takes: it must fall back to client mode by itself
             no_relay = ["--no_auto_relay"] if newcomer and args.newcomer_without_relay else []
-            trainers[name] = PeerProcess(
-                REPO / "run_trainer.py",
-                trainer_args(args, run_id, initial_peers, ip, workdir / name, client) + no_relay,
-                workdir / f"{name}.log",
-                wrapper=["ip", "netns", "exec", ns],
+            script_args = trainer_args(args, run_id, initial_peers, ip, workdir / name, client) + no_relay
+            script, script_args = (
+                (REPO / "run_trainer.py", script_args)
+                if go is None
+                else (HERE / "held_start.py", [str(go), str(REPO / "run_trainer.py"), *script_args])
             )
+            process = PeerProcess(script, script_args, workdir / f"{name}.log", wrapper=["ip", "netns", "exec", ns])
+            if go is None:
+                trainers[name] = process
+            else:
+                held[name] = (process, go)
+            return name
+
+        def release(name: str) -> str:
+            """A held trainer starts (a churn replacement): from now on it is one of the run's trainers."""
+            process, go = held.pop(name)
+            go.touch()
+            started_at[name], trainers[name] = time.time(), process
             return name
 
         for i in range(args.trainers):
@@ -463,13 +479,17 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
             due = (args.churn_every and time.time() >= next_churn) or (
                 args.churn_every_steps and swarm_step >= next_churn_step
             )
-            # each replacement starts STANDBY_STEPS global steps before its churn event (or at it, for churn in
+            # each replacement is released STANDBY_STEPS global steps before its churn event (or at it, for churn in
             # seconds), and the victim dies once the replacement has joined (at the latest STANDBY_STEPS + 1 steps
             # before the run's last): how long a start takes on a busy machine must not decide whether the
             # replacement meets the survivors before the run ends
             standby_due = args.churn_every_steps and swarm_step >= next_churn_step - STANDBY_STEPS
-            if (due or standby_due) and standby is None and len(kills) < args.churn_events:
-                standby = start_trainer(2 + args.trainers + len(kills), client=False, newcomer=True)
+            # the next replacement is started ahead, held until its release, so that its imports are done by then
+            if joiners and not held and standby is None and len(kills) < args.churn_events:
+                index = 2 + args.trainers + len(kills)
+                start_trainer(index, client=False, newcomer=True, go=workdir / f"go{index}")
+            if (due or standby_due) and standby is None and held:
+                standby = release(next(iter(held)))
             joined = standby is not None and JOINED.search(trainers[standby].output())
             if due and standby is not None and (joined or swarm_step >= args.max_steps - STANDBY_STEPS - 1):
                 alive = [name for name, p in trainers.items() if p.running() and name != standby]
@@ -492,7 +512,7 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
         if failed:
             raise RuntimeError(f"{failed} failed:\n" + trainers[failed[0]].output()[-3000:])
     finally:
-        for p in [*trainers.values(), *processes]:
+        for p in [*trainers.values(), *(process for process, _ in held.values()), *processes]:
             p.stop(timeout=20)
         net.teardown()
     network = {
@@ -531,7 +551,7 @@ def summarize(args, workdir: Path, trainers: dict, kills: list[float], sent_byte
     duration = times[steps[-1]] - times[steps[0]]
     step_seconds = duration / max(1, len(steps) - 1)
     compute = sum(r.compute_seconds for r in records) / max(1, len(records))
-    # each failure as the trainer logged it (sahajbert.adaptive.RoundMonitor), killed trainers' included
+    # each failure as the trainer logged it (sahajbert.round_log.RoundMonitor), killed trainers' included
     failed_rounds = sum(
         len(re.findall(r"averaging round failed \(", (workdir / f"{n}.log").read_text())) for n in trainers
     )

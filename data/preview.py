@@ -4,9 +4,9 @@
 import itertools
 import json
 
-from sahajbert.arguments import CorpusArguments, PreviewArguments
 from sahajbert.cli import Flags, parse_args, run, setup_logging
 from sahajbert.collators import IGNORE_INDEX, PretrainingCollator
+from sahajbert.flags import CorpusArguments, PreviewArguments
 from sahajbert.stream import iterate_examples
 from sahajbert.tokenization import load_tokenizer
 

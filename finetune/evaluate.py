@@ -6,8 +6,8 @@ import logging
 import shlex
 from pathlib import Path
 
-from sahajbert.arguments import EvaluationArguments, finetune_flags
 from sahajbert.cli import Flags, UserError, parse_args, run, setup_logging
+from sahajbert.flags.finetune import EvaluationArguments, finetune_flags
 
 logger = logging.getLogger("evaluate")
 FLAGS = Flags(

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Fine-tune on Bengali news classification (IndicGLUE sna.bn, or local CSV/JSONL files): accuracy, macro-F1."""
 
-from sahajbert.arguments import finetune_flags
 from sahajbert.cli import parse_args, run, setup_logging
+from sahajbert.flags.finetune import finetune_flags
 
 
 def main(argv=None) -> int:

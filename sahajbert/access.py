@@ -38,12 +38,12 @@ from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.timed_storage import get_dht_time
 
-from sahajbert.adaptive import peer_ids
-from sahajbert.arguments import SwarmArguments
 from sahajbert.cli import UserError
+from sahajbert.flags import SwarmArguments
 from sahajbert.hivemind_ext import identity
 from sahajbert.hivemind_ext.dht.process import dht_authorizer
 from sahajbert.hivemind_ext.p2p import add_stream_handler, kept_alive, p2p_of
+from sahajbert.link_probe import peer_ids
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,10 @@ NAME = re.compile(r"^[A-Za-z0-9_.@-]{1,64}$")
 MAX_MESSAGE = 64 * 1024  # bytes: an invite request or answer is well under 4 KiB
 ASK_TIMEOUT = 30.0  # seconds for the authority to answer one request
 RETRY = 5.0  # seconds between renewal attempts while the authority does not answer
+# a stream that opened and then ended unanswered (dropped between the two daemons or by a busy authority: once in the
+# project's CI, a third volunteer's join) is opened again, this many times in all, 1 s then 2 s apart; a refusal, a
+# peer that runs no authority and one that cannot be reached are not asked again
+ASK_TRIES = 3
 ANY_PORT = "/ip4/0.0.0.0/tcp/0"  # the short-lived daemons that ask for a token only dial out
 # a caller the members' records do not admit makes an averager read them again, at most this often (seconds)
 MEMBERS_REREAD = 1.0
@@ -70,7 +74,7 @@ NO_HANDLER = "protocols not supported"
 
 
 def members_key(run_id: str) -> str:
-    return f"{run_id}_members"  # its schema is sahajbert.metrics.MetricSchema.members
+    return f"{run_id}_members"  # its schema is sahajbert.records.MetricSchema.members
 
 
 # ---- tokens ----
@@ -225,8 +229,9 @@ class Authority:
             except (KeyError, TypeError, ValueError):
                 answer = {"refused": "malformed request"}
             await _write_message(writer, answer)
-        except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, ValueError):
-            pass
+        except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, ValueError) as e:
+            # a caller that only checks the protocol is served (runs_authority) closes without asking
+            logger.debug(f"an invite stream from {stream_info.peer_id} ended unanswered: {type(e).__name__} {e}")
         finally:
             writer.close()
 
@@ -426,12 +431,20 @@ async def _each_initial_peer(initial_peers: list[str], call, identity_path: str 
     failures = []
     try:
         for peer in dict.fromkeys(peer_ids(initial_peers)):
-            try:
-                return await asyncio.wait_for(call(p2p, peer), ASK_TIMEOUT), None
-            except Refused:
-                raise
-            except Exception as e:  # not the authority (an aux peer, an open run), or gone: try the next one
-                failures.append(e)
+            for attempt in range(ASK_TRIES):
+                try:
+                    return await asyncio.wait_for(call(p2p, peer), ASK_TIMEOUT), None
+                except Refused:
+                    raise
+                except (asyncio.IncompleteReadError, ConnectionError) as e:  # ended unanswered: ask again
+                    if attempt == ASK_TRIES - 1:
+                        failures.append(e)
+                    else:
+                        logger.info(f"{peer} ended the invite stream unanswered ({type(e).__name__}): asking again")
+                        await asyncio.sleep(2.0**attempt)
+                except Exception as e:  # not the authority (an aux peer, an open run), or gone: try the next one
+                    failures.append(e)
+                    break
     finally:
         await p2p.shutdown()
     return None, failures

@@ -8,14 +8,14 @@ import logging
 import time
 from pathlib import Path
 
-from sahajbert import adaptive, checkpoints, metrics
-from sahajbert.arguments import AuxPeerArguments, PeerArguments
+from sahajbert import adaptive, checkpoints, records
 from sahajbert.cli import UserError
 from sahajbert.dashboard import Dashboard
+from sahajbert.flags import AuxPeerArguments, PeerArguments
 from sahajbert.hivemind_ext.optim import accessors
 from sahajbert.model import build_model
 from sahajbert.monitor import FinalModel, SwarmMonitor
-from sahajbert.optim import build_collaborative_optimizer
+from sahajbert.optim import build_collaborative_optimizer, restore_optimizer_state
 from sahajbert.signals import StopRequest
 from sahajbert.stopping import final_source
 from sahajbert.swarm import SwarmPeer, validate_initial_peers
@@ -148,7 +148,7 @@ class AuxPeer(SwarmPeer):
                 self.optimizer.step()  # joins the all-reduce rounds of global steps as an auxiliary (no samples)
             now = time.time()
             if self.serving_step is not None and now - self._last_announce >= ANNOUNCE_EVERY:
-                metrics.announce_state(self.dht, self.args.swarm_args.run_id, self.public_key, self.serving_step)
+                records.announce_state(self.dht, self.args.swarm_args.run_id, self.public_key, self.serving_step)
                 self._last_announce = now
             if now - self._last_refresh >= self.aux_args.refresh_period:
                 self._last_refresh = now
@@ -157,8 +157,8 @@ class AuxPeer(SwarmPeer):
 
     def _refresh(self, now: float) -> None:
         run_id = self.args.swarm_args.run_id
-        records = metrics.fetch(self.dht, run_id)
-        new_points = self.monitor.update(records, now, accessors.progress_peers(self.optimizer))
+        metrics = records.fetch(self.dht, run_id)
+        new_points = self.monitor.update(metrics, now, accessors.progress_peers(self.optimizer))
         for point in new_points:
             loss = "n/a" if point["loss"] is None else f"{point['loss']:.4f}"
             logger.info(
@@ -168,11 +168,11 @@ class AuxPeer(SwarmPeer):
             if self.wandb_run is not None:
                 self.wandb_run.log({**point, "alive_peers": self.monitor.alive_peers()})
         self._save_final_model(run_id)
-        metrics.announce_archive(
+        records.announce_archive(
             self.dht,
             run_id,
             self.public_key,
-            metrics.ArchiveRecord(step=self.final_step, refresh_period=float(self.aux_args.refresh_period)),
+            records.ArchiveRecord(step=self.final_step, refresh_period=float(self.aux_args.refresh_period)),
         )
         swarm_step = max(self.monitor.global_step, accessors.position(self.optimizer).swarm_step)
         if self.final_step < swarm_step and swarm_step >= self.saved_step + self.aux_args.checkpoint_every:
@@ -185,8 +185,8 @@ class AuxPeer(SwarmPeer):
     def _save_final_model(self, run_id: str) -> None:
         """Once trainers end the run (their final round's records), download the final model from the peer whose
         parameters the round settled on and save it as the last checkpoint; the trainers wait for it
-        (trainer.TrainerPeer._wait_for_archive)."""
-        finished = metrics.fetch_all_finished(self.dht, run_id)
+        (ending.Ending._wait_for_archive)."""
+        finished = records.fetch_all_finished(self.dht, run_id)
         step = max((record.step for record in finished), default=0)
         if step <= self.final_step:
             return
@@ -214,13 +214,9 @@ class AuxPeer(SwarmPeer):
 
     def _serve_initial_state(self, checkpoint: str) -> None:
         """Load the checkpoint's optimizer state and global step, and advertise that step so joiners download it."""
-        state = checkpoints.load_optimizer_state(checkpoint)
-        if state is not None:
-            self.optimizer.load_state_dict(state)
-            accessors.follow_schedule(self.optimizer)  # the LR follows the restored global step
-        else:
+        if not restore_optimizer_state(self.optimizer, checkpoint):
             accessors.set_step(self.optimizer, checkpoints.read_state(checkpoint)["global_step"])
-        accessors.prefer_as_state_donor(self.optimizer)
+        accessors.set_state_priority(self.optimizer, self.optimizer.local_epoch)  # served first
         accessors.report_step(self.optimizer, self.optimizer.local_epoch)
         logger.info(f"serving the state of {checkpoint} at global step {self.optimizer.local_epoch}")
 

@@ -1,6 +1,6 @@
 """Command-line plumbing shared by every script: argument parsing, logging, and errors meant for people.
 
-Every script's flags come from the argument dataclasses (`sahajbert.arguments`), one help group per dataclass. The
+Every script's flags come from the argument dataclasses (`sahajbert.flags`), one help group per dataclass. The
 parser is plain argparse, built here so that the rules hold everywhere: a flag is spelled out in full (a prefix is
 refused, with a suggestion), a bad value is one `error:` line, a settings `.json` file combines with flags (flags
 win), and each script shows only the flags it uses.
@@ -64,9 +64,13 @@ def setup_logging(level: int = logging.INFO) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     # forked children (hivemind's DHT and averager processes) inherit this logging setup
     logging.getLogger("asyncio").addFilter(_DropPendingTaskNoise())
-    from transformers.utils import logging as transformers_logging
+    # no progress bars ("Writing model shards" would interleave with progress lines): transformers reads this when it
+    # is imported, and a script's --help imports it not at all
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as transformers_logging
 
-    transformers_logging.disable_progress_bar()  # "Writing model shards" bars would interleave with progress lines
+        transformers_logging.disable_progress_bar()
 
 
 # ---- parsing ----

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from sahajbert.arguments import FinetuneArguments, FinetuneTrainingArguments
 from sahajbert.cli import UserError
+from sahajbert.flags.finetune import FinetuneArguments, FinetuneTrainingArguments
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ import hashlib
 import math
 from dataclasses import dataclass
 
-from sahajbert.metrics import LocalMetrics, StepEntry
+from sahajbert.records import LocalMetrics, StepEntry
 
 
 def peer_name(public_key: bytes) -> str:

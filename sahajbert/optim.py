@@ -17,10 +17,18 @@ from hivemind.compression import (
 )
 from transformers import get_linear_schedule_with_warmup
 
-from sahajbert import robust
-from sahajbert.adaptive import Timing, explicit_timing, payload_bytes, plan_timing, round_wait_of
-from sahajbert.arguments import PeerArguments
+from sahajbert import checkpoints, robust
+from sahajbert.adaptive import (
+    DILOCO_READS_PER_STEP,
+    Timing,
+    explicit_timing,
+    payload_bytes,
+    plan_timing,
+    round_wait_of,
+)
+from sahajbert.flags import PeerArguments
 from sahajbert.hivemind_ext.compression import Uniform8Bit
+from sahajbert.hivemind_ext.optim import accessors
 from sahajbert.hivemind_ext.optim.diloco import DiLoCoOptimizer
 from sahajbert.hivemind_ext.optim.optimizer import GuardedOptimizer, gradient_averager_factory
 from sahajbert.signals import StopNow
@@ -166,6 +174,17 @@ def lr_at_step(step: int, peak: float, warmup_steps: int, total_steps: int) -> f
     return peak * max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
 
 
+def restore_optimizer_state(optimizer: hivemind.Optimizer, checkpoint) -> bool:
+    """Load a checkpoint's optimizer state (its global step with it), the learning rate following that step; False
+    when the checkpoint holds none."""
+    state = checkpoints.load_optimizer_state(checkpoint)
+    if state is None:
+        return False
+    optimizer.load_state_dict(state)
+    accessors.follow_schedule(optimizer)  # load_state_dict restores the step, not the scheduler
+    return True
+
+
 def build_collaborative_optimizer(
     model: torch.nn.Module,
     dht: hivemind.DHT,
@@ -174,7 +193,7 @@ def build_collaborative_optimizer(
     batch_size_per_step: int | None = None,
     timing: Timing | None = None,
     gate=None,
-) -> hivemind.Optimizer:
+) -> GuardedOptimizer:
     """hivemind.Optimizer over LAMB, scheduled by the GLOBAL step (hivemind steps the scheduler per epoch).
 
     `batch_size_per_step`: samples one optimizer.step() reports (default: batch x accumulation on one device).
@@ -213,6 +232,33 @@ def build_collaborative_optimizer(
     aggregation = robust.Aggregation(
         averaging_args.aggregation, averaging_args.clip_tau, averaging_args.clip_iterations
     )
+    # what both modes are built with; each adds its own settings below
+    shared = dict(
+        gate=gate,
+        aggregation=aggregation,
+        passes_through=(StopNow,),  # a stop request during a state download stops the trainer
+        dht=dht,
+        run_id=swarm_args.run_id,
+        batch_size_per_step=batch_size_per_step,
+        params=parameter_groups(model, training_args.weight_decay),
+        matchmaking_time=timing.matchmaking_time,
+        next_chunk_timeout=timing.next_chunk_timeout,
+        load_state_timeout=timing.load_state_timeout,
+        # hivemind 1.1.x replaces an explicit client_mode by dht.client_mode only when it is not None (inverted
+        # condition), so pass the DHT's own value: the DHT is where client mode is really set
+        client_mode=dht.client_mode,
+        auxiliary=auxiliary,
+        state_averaging_compression=state_compression,
+        load_state_compression=state_compression,
+        averager_opts=averager_opts,
+        tracker_opts={
+            "metadata_expiration": optimizer_args.metadata_expiration,
+            "max_refresh_period": timing.max_refresh_period,
+        },
+        # hivemind reports each round's result at INFO only when verbose: sahajbert.round_log.RoundMonitor counts
+        # them and keeps them (and the progress lines) off the terminal without --verbose
+        verbose=True,
+    )
     if optimizer_args.diloco_inner_steps:
         inner_optimizer = partial(AdamW, **adam_settings) if optimizer_args.diloco_inner_optimizer == "adamw" else lamb
         return DiLoCoOptimizer(
@@ -226,72 +272,31 @@ def build_collaborative_optimizer(
             inner_steps=optimizer_args.diloco_inner_steps,
             wait=optimizer_args.diloco_wait,
             overlap=optimizer_args.diloco_overlap,
+            reads_per_step=DILOCO_READS_PER_STEP,
             last_step=None if auxiliary else training_args.max_steps,
-            gate=gate,
-            aggregation=aggregation,
-            passes_through=(StopNow,),
-            dht=dht,
-            run_id=swarm_args.run_id,
-            batch_size_per_step=batch_size_per_step,
             optimizer=partial(outer_sgd, lr=optimizer_args.outer_lr, momentum=optimizer_args.outer_momentum),
-            params=parameter_groups(model, training_args.weight_decay),
             scheduler=None,
-            matchmaking_time=timing.matchmaking_time,
             # the round's result is awaited from the end of this peer's inner steps: the wait for the others first
             averaging_timeout=timing.averaging_timeout + optimizer_args.diloco_wait,
-            next_chunk_timeout=timing.next_chunk_timeout,
-            load_state_timeout=timing.load_state_timeout,
-            client_mode=dht.client_mode,
-            auxiliary=auxiliary,
             grad_compression=make_compression(optimizer_args.pseudo_gradient_compression),
-            state_averaging_compression=state_compression,
-            load_state_compression=state_compression,
-            averager_opts=averager_opts,
             grad_averager_factory=gradient_averager_factory(gate, aggregation, **averager_opts),
-            tracker_opts={
-                "metadata_expiration": optimizer_args.metadata_expiration,
-                "max_refresh_period": timing.max_refresh_period,
-            },
-            verbose=True,
+            **shared,
         )
     return GuardedOptimizer(
-        gate=gate,
-        aggregation=aggregation,
-        passes_through=(StopNow,),  # a stop request during a state download stops the trainer
-        dht=dht,
-        run_id=swarm_args.run_id,
         target_batch_size=optimizer_args.target_batch_size - optimizer_args.batch_size_lead,
-        batch_size_per_step=batch_size_per_step,
         optimizer=lamb,
-        params=parameter_groups(model, training_args.weight_decay),
         scheduler=scheduler,
-        matchmaking_time=timing.matchmaking_time,
         averaging_timeout=timing.averaging_timeout,
-        next_chunk_timeout=timing.next_chunk_timeout,
-        load_state_timeout=timing.load_state_timeout,
         offload_optimizer=optimizer_args.offload_optimizer,
         delay_optimizer_step=optimizer_args.delay_optimizer_step,
         delay_grad_averaging=optimizer_args.delay_grad_averaging and not optimizer_args.use_local_updates,
         average_state_every=optimizer_args.average_state_every,
         use_local_updates=optimizer_args.use_local_updates,
-        # hivemind 1.1.x replaces an explicit client_mode by dht.client_mode only when it is not None (inverted
-        # condition), so pass the DHT's own value: the DHT is where client mode is really set
-        client_mode=dht.client_mode,
-        auxiliary=auxiliary,
         grad_compression=compression,
-        state_averaging_compression=state_compression,
-        load_state_compression=state_compression,
-        averager_opts=averager_opts,
         grad_averager_factory=None
         if optimizer_args.use_local_updates
         else gradient_averager_factory(gate, aggregation, **averager_opts),
-        tracker_opts={
-            "metadata_expiration": optimizer_args.metadata_expiration,
-            "max_refresh_period": timing.max_refresh_period,
-        },
-        # hivemind reports each round's result at INFO only when verbose: sahajbert.adaptive.RoundMonitor counts
-        # them and keeps them (and the progress lines) off the terminal without --verbose
-        verbose=True,
+        **shared,
     )
 
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from sahajbert.arguments import PeerArguments
 from sahajbert.cli import UserError
+from sahajbert.flags import PeerArguments
 
 DISTRIBUTION = "sahajbert-collab"  # this project's name on pip: its metadata holds requirements.txt's ranges
 WANTED_OPEN_FILES = (

@@ -19,10 +19,15 @@ pseudo-gradients) instead combines the contributions with `aggregate`; the fence
 
 Two contributions have no majority: their median is their mean, and a hostile one decides it. A reducer that holds
 one of the two (`own`) takes its own as the reference and shortens the other's offset from it to `pair_factor` x
-its own norm (by either rule): honest gradients of two batches lie about 1.4x their norm apart (PAIR_FACTOR 3
+its own size (by either rule): honest gradients of two batches lie about 1.4x their norm apart (PAIR_FACTOR 3
 leaves them as they are), honest parameters of two peers a few updates apart (PARAMETER_PAIR_FACTOR 0.1). A hostile
 peer then moves a pair's average by at most half that bound per round: not stopped (no rule can tell which of two
-is honest), but bounded.
+is honest), but bounded. The own size is the larger of the own part's norm and `own_scale`, the reducer's whole
+contribution's norm shared out by the part's length: hivemind cuts each tensor into its own parts, and a part can be
+near zero in one honest peer's values and not in the other's (a zero-initialized bias that the other's last update
+moved, embedding rows that only the other's batch touched), where a bound of the part's own norm would throw away the
+other's values. A reducer that takes part with weight 0 (one step behind, tagging along) and combines two others'
+gradients judges both by its own in the same way: their plain mean would again let a hostile one decide.
 
 A receiver also checks what a reducer sends back (`implausible`): a reducer may return anything for its part.
 """
@@ -82,24 +87,34 @@ class Combined:
 
 
 def aggregate(
-    contributions: list[torch.Tensor], weights: list[float], how: Aggregation, own: int | None = None
+    contributions: list[torch.Tensor],
+    weights: list[float],
+    how: Aggregation,
+    own: int | None = None,
+    own_scale: float = 0.0,
 ) -> Combined:
-    """Combine one part's contributions; `own`: the index of the reducer's own contribution, if it sent one. With no
+    """Combine one part's contributions; `own`: the index of the reducer's own contribution, if it sent one, and
+    `own_scale` its whole contribution's norm shared out by this part's length (see the module's docstring). With no
     finite contribution the result is NaN: receivers (`implausible`) then keep their own part."""
     shape = contributions[0].shape
     if how.rule == "plain":
         mean = sum(c.float() * w for c, w in zip(contributions, weights)) / sum(weights)
         return Combined(mean, [], [])
     keep = [i for i, (c, w) in enumerate(zip(contributions, weights)) if w > 0 and math.isfinite(w) and finite(c)]
-    dropped = [i for i in range(len(contributions)) if i not in keep]
+    # a weight of 0 is a peer that takes part without samples (an aux peer assisting, one tagging along): not dropped,
+    # nothing to tell of
+    dropped = [i for i in range(len(contributions)) if i not in keep and weights[i] != 0]
     if not keep:
         return Combined(torch.full(shape, float("nan")), dropped, [])
     stacked = torch.stack([contributions[i].float().reshape(-1) for i in keep])  # [peers, values]
     claimed = torch.tensor([float(weights[i]) for i in keep])
     w = torch.clamp(claimed, max=float(claimed.median()))
     w = w / w.sum()
-    if len(keep) == 2 and own in keep:
-        return _pair(stacked, w, keep, keep.index(own), how.pair_factor, dropped, shape)
+    reference = _own_reference(contributions, weights, keep, own, own_scale, how)
+    if reference is not None:
+        bound = how.pair_factor * max(float(reference.norm()), own_scale)
+        paired = _around(stacked, w, keep, reference, bound, dropped)
+        return Combined(paired.tensor.reshape(shape), paired.dropped, paired.outliers)
     if how.rule == "norm_clip":
         sizes = stacked.norm(dim=1)
         bound = how.tau * float(sizes.median())
@@ -121,18 +136,33 @@ def aggregate(
     return Combined(combined.reshape(shape), dropped, outliers)
 
 
-def _pair(stacked, w, keep: list[int], mine: int, factor: float, dropped: list[int], shape) -> Combined:
-    """Two contributions, one of them the reducer's own (row `mine`): the other's offset from it is shortened to
-    `factor` x the own one's norm, then the two are averaged by weight; the other is an outlier if it was shortened
-    to less than a tenth (1 / OUTLIER_FACTOR) of its offset."""
-    other = 1 - mine
-    offset = stacked[other] - stacked[mine]
-    bound = factor * float(stacked[mine].norm())
-    distance = float(offset.norm())
-    scale = min(1.0, bound / max(distance, TINY))
-    combined = stacked[mine] + w[other] * scale * offset
-    outliers = [keep[other]] if distance > OUTLIER_FACTOR * bound else []
-    return Combined(combined.reshape(shape), dropped, outliers)
+def _own_reference(contributions, weights, keep: list[int], own: int | None, own_scale: float, how: Aggregation):
+    """The reducer's own part, flattened, when the two contributions it combines are to be judged by it (else None):
+    two contributions have no majority, so the reducer's own part is the reference. Also when the reducer takes part
+    with weight 0 (one step behind, tagging along) in a gradient round (a pair factor of 1 or more): its gradients
+    still say how large an honest one is, where the two others' mean would let a hostile one decide. Not in a
+    parameter round: its parameters are a step old, and a bound of a tenth of their size would shorten honest ones.
+    Not a part of zeros with no scale either (an aux peer's gradients)."""
+    if len(keep) != 2 or own is None:
+        return None
+    if own in keep:
+        return contributions[own].float().reshape(-1)
+    if weights[own] != 0 or how.pair_factor < 1 or not finite(contributions[own]):
+        return None
+    reference = contributions[own].float().reshape(-1)
+    return reference if own_scale > 0 or float(reference.norm()) > 0 else None
+
+
+def _around(stacked, w, keep: list[int], reference: torch.Tensor, bound: float, dropped: list[int]) -> Combined:
+    """Contributions judged by a reference part (the reducer's own): each one's offset from it is shortened to
+    `bound`, then they are averaged by weight; one is an outlier if it was shortened to less than a tenth
+    (1 / OUTLIER_FACTOR) of its offset."""
+    offsets = stacked - reference
+    distances = offsets.norm(dim=1)
+    scale = torch.clamp(bound / distances.clamp_min(TINY), max=1.0)
+    combined = reference + (w[:, None] * scale[:, None] * offsets).sum(0)
+    outliers = [keep[j] for j in range(len(keep)) if float(distances[j]) > OUTLIER_FACTOR * bound]
+    return Combined(combined, dropped, outliers)
 
 
 def implausible(delta: torch.Tensor, scale: float) -> str | None:
@@ -171,16 +201,21 @@ def _corroborated_step(
     own_epoch: int, others: list[tuple[int, bytes]], vouched: Collection[bytes], batch_full: bool
 ) -> int:
     """The highest step this peer may follow, given the other serving peers' (step, peer id), highest first: at most
-    their lower median, and reported by CORROBORATING_PEERS of them or by one that is vouched for; else its own, or
-    one more when `batch_full` (this peer's own count of the step's samples backs the next step)."""
+    their lower median, and reported by one that is vouched for, or, while no peer that reports progress is vouched
+    for, by CORROBORATING_PEERS of them; else its own, or one more when `batch_full` (this peer's own count of the
+    step's samples backs the next step)."""
     if not others:
         return own_epoch
     median = others[len(others) // 2][0]
     if batch_full and median > own_epoch:
         own_epoch += 1
+    # peers this one vouches for are the swarm it trains in: where they report progress, a step none of them backs
+    # is another swarm's (plain peers that share the run's name never meet this one's rounds, and two of them back
+    # each other's claims), checked as a lone claim is, by taking the claimant's state
+    any_vouched = any(peer in vouched for _, peer in others)
     for epoch in sorted({epoch for epoch, _ in others if own_epoch < epoch <= median}, reverse=True):
         backers = [peer for step, peer in others if step >= epoch]
-        if len(backers) >= CORROBORATING_PEERS or any(peer in vouched for peer in backers):
+        if any(peer in vouched for peer in backers) or (len(backers) >= CORROBORATING_PEERS and not any_vouched):
             return epoch
     return own_epoch
 
@@ -205,10 +240,12 @@ def plausible_progress(
       serving peers' steps: more than half of them must be there, so one peer cannot end or skip others' runs
       (a peer that joins a run in progress still follows them: all others are ahead). A claim one step ahead is
       the normal moment when some peers have finished a round and others not yet: it is left out without a note;
-    - and a step above this peer's own counts only when it is corroborated: CORROBORATING_PEERS other serving peers
-      report it (or more), or one of them is `vouched` for (this peer averaged with it in a round that came back
-      whole, or took a checked state from it). A lone claimant, such as a plain hivemind peer that trains alone
-      before the honest trainers start, moves neither the step they stop at nor the one they download. One step
+    - and a step above this peer's own counts only when it is corroborated: one of the peers that report it is
+      `vouched` for (this peer averaged with it in a round that came back whole, or took a checked state from it),
+      or, while this peer vouches for none of the peers that report progress (a newcomer), CORROBORATING_PEERS of
+      them report it (or more). A lone claimant, such as a plain hivemind peer that trains alone before the honest
+      trainers start, moves neither the step they stop at nor the one they download, and neither do two such
+      peers once the honest trainers have averaged together. One step
       more is followed on one peer's word when `batch_full`: this peer's last read counted the step's batch (at
       least half of it), so another peer may well have started the next step's round;
     - with three peers or more a throughput over THROUGHPUT_FACTOR x the median is capped there, and a peer's
@@ -331,8 +368,8 @@ def step_out_of_range(metadata, template: StateTemplate) -> str | None:
 
 def state_cut_short(tensors, template: StateTemplate) -> str | None:
     """Why a downloaded state looks cut off in transit (its first tensors, each of the right shape, then nothing),
-    or None. Not proof of a corrupted state: an honest peer's stream can end early (in a CI run a trainer served 35
-    of its 160 tensors to a newcomer); the peer is skipped, not left out."""
+    or None. Not proof of a corrupted state: an honest peer's stream can end early (a stream cut in transit); the
+    peer is skipped, not left out."""
     if len(tensors) >= len(template.shapes):
         return None
     if any(tuple(tensor.shape) != tuple(shape) for tensor, shape in zip(tensors, template.shapes)):

@@ -11,4 +11,6 @@ from pathlib import Path
 SAMPLE_NAME = "sample"
 SAMPLE_DATA = Path(str(files("sahajbert") / "sample_data"))
 SAMPLE_TOKENIZER = SAMPLE_DATA / "tokenizer"
+# the released sahajBERT's tokenizer on the Hub (the 2021 run's vocabulary of 32,000), the default of a real run
+REAL_TOKENIZER = "neuropark/sahajBERT"
 SAMPLE_FILES = [str(SAMPLE_DATA / "corpus" / "bn_wiki.txt"), str(SAMPLE_DATA / "corpus" / "bn_web.txt")]

@@ -4,12 +4,11 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import hivemind
-
 from sahajbert.hivemind_ext.averaging.control import round_peers, round_steps
 from sahajbert.hivemind_ext.optim import accessors
 from sahajbert.hivemind_ext.optim.accessors import SwarmPosition
-from sahajbert.metrics import FinishedRecord
+from sahajbert.hivemind_ext.optim.optimizer import GuardedOptimizer
+from sahajbert.records import FinishedRecord
 
 logger = logging.getLogger(__name__)
 # seconds a peer waits for a fresh read of the swarm's progress before a global step it would start or the final round
@@ -119,7 +118,7 @@ class FinalRound:
         """The most peers counted at the last RECENT_STEPS global steps, given the counts of every step in order."""
         return max(peer_counts[-RECENT_STEPS:], default=0)
 
-    def run(self, optimizer: hivemind.Optimizer, recent_peers: int) -> int:
+    def run(self, optimizer: GuardedOptimizer, recent_peers: int) -> int:
         """Average parameters with the peers that finish within the window; how many took part (0: none joined).
         Then `self.group` holds their peer ids (base58), and `self.complete` says whether every averaged part came
         back to this peer."""
@@ -128,7 +127,7 @@ class FinalRound:
         # the higher of the tracker's last view and a fresh read: a peer whose record just expired (its reports
         # held up by a slow link) may still come, and a skipped round cannot be made up for
         peers_seen = accessors.position(optimizer).peers
-        accessors.read_progress_now(optimizer, FRESH_READ_TIMEOUT)
+        optimizer.read_progress_now(FRESH_READ_TIMEOUT)
         peers_now = max(peers_seen, accessors.position(optimizer).peers)
         if not self.needed(peers_now, recent_peers):
             return 0

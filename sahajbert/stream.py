@@ -1,5 +1,6 @@
 """The endless, per-peer stream of ALBERT training batches, prepared in a background thread."""
 
+import hashlib
 import logging
 import queue
 import threading
@@ -7,11 +8,11 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from sahajbert.arguments import CorpusArguments
 from sahajbert.cli import UserError
 from sahajbert.collators import PretrainingCollator
 from sahajbert.corpus import SkipCounter, resolve_probabilities, resolve_sources, stream_documents
 from sahajbert.examples import SENTENCE_ENDS, PairBuilder
+from sahajbert.flags import CorpusArguments
 from sahajbert.signals import StopRequest
 
 logger = logging.getLogger(__name__)
@@ -124,3 +125,23 @@ class Prefetcher:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=1.0)  # a daemon thread: one busy inside a long document is left behind
+
+
+def peer_seed(run_seed: int, public_key: bytes) -> int:
+    """Each peer's data order: the run seed mixed with this peer's public key, so no two peers share a stream."""
+    return (run_seed * 1_000_003 + int.from_bytes(hashlib.sha256(public_key).digest()[:4], "little")) % 2**31
+
+
+def training_batches(
+    corpus_args: CorpusArguments, tokenizer, seed: int, forward_batch: int, on_xla: bool
+) -> Prefetcher:
+    """A trainer's endless stream of collated batches, in its own order (`seed`: see `peer_seed`)."""
+    collator = PretrainingCollator.from_tokenizer(
+        tokenizer,
+        mlm_probability=corpus_args.mlm_probability,
+        whole_word_masking=corpus_args.masking == "whole_word",
+        # XLA compiles per shape: every batch is padded to the full length, so the step compiles once
+        pad_to_multiple_of=corpus_args.max_seq_length if on_xla else corpus_args.pad_to_multiple_of,
+        seed=seed,
+    )
+    return Prefetcher(batched(iterate_examples(corpus_args, tokenizer, seed=seed), forward_batch, collator))

@@ -15,12 +15,12 @@ from pathlib import Path
 import hivemind
 from hivemind.utils.multiaddr import Multiaddr
 
-from sahajbert import access, hivemind_ext, metrics, robust
-from sahajbert.adaptive import serve_link_probe
-from sahajbert.arguments import MAX_RECORD_LIFETIME, SwarmArguments
+from sahajbert import access, hivemind_ext, records, robust
 from sahajbert.cli import UserError
+from sahajbert.flags import MAX_RECORD_LIFETIME, SwarmArguments
 from sahajbert.hivemind_ext import identity, p2p
 from sahajbert.hivemind_ext.dht.process import GuardedDHT, drain_dht_calls
+from sahajbert.link_probe import serve_link_probe
 from sahajbert.signals import ignoring_signals
 
 logger = logging.getLogger(__name__)
@@ -293,7 +293,7 @@ class SwarmPeer:
 
     def _join(self, swarm_args: SwarmArguments) -> None:
         """Start this peer's DHT node with the run's record validators (its metrics are signed with its key)."""
-        validators, self.public_key = metrics.make_validators(swarm_args.run_id)
+        validators, self.public_key = records.make_validators(swarm_args.run_id)
         swarm_args, self.access = admission(swarm_args)
         authorizer = self.access.authorizer if self.access is not None else None
         self.dht = build_dht(swarm_args, validators, authorizer=authorizer)

@@ -20,11 +20,9 @@ from tokenizers import (
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from sahajbert.cli import UserError
-from sahajbert.samples import SAMPLE_NAME, SAMPLE_TOKENIZER
+from sahajbert.samples import REAL_TOKENIZER, SAMPLE_NAME, SAMPLE_TOKENIZER
 
 logger = logging.getLogger(__name__)
-# the released sahajBERT's tokenizer on the Hub (the 2021 run's vocabulary of 32,000), the default of a real run
-REAL_TOKENIZER = "neuropark/sahajBERT"
 
 # Ids 0..4 in this order: collators, the model config and the checkpoints rely on them.
 SPECIAL_TOKENS = ["<pad>", "<unk>", "[CLS]", "[SEP]", "[MASK]"]

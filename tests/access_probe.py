@@ -26,10 +26,10 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from sahajbert import access, metrics, swarm  # noqa: E402
-from sahajbert.adaptive import PROBE_PROTOCOL  # noqa: E402
-from sahajbert.arguments import SwarmArguments  # noqa: E402
+from sahajbert import access, records, swarm  # noqa: E402
+from sahajbert.flags import SwarmArguments  # noqa: E402
 from sahajbert.hivemind_ext.identity import identity_key  # noqa: E402
+from sahajbert.link_probe import PROBE_PROTOCOL  # noqa: E402
 
 RPC_TIMEOUT = 20.0  # seconds for one direct RPC; a refused one answers at once
 PART_WAIT = 5.0  # seconds to wait for the answer to a part sent for no group
@@ -106,7 +106,7 @@ async def send_part(p2p: P2P, peer: PeerID, run_id: str) -> str:
 
 
 async def link_probe(p2p: P2P, peer: PeerID) -> bool:
-    """Does `peer` answer the link probe's echo (sahajbert.adaptive)?"""
+    """Does `peer` answer the link probe's echo (sahajbert.link_probe)?"""
     try:
         _, reader, writer = await p2p.call_binary_stream_handler(peer, PROBE_PROTOCOL)
         writer.write(b"P")
@@ -169,7 +169,7 @@ def raw_dht(first_maddrs, run_id: str) -> dict:
     try:
         found = {
             "joins": joined,
-            "reads_metrics": dht.get(metrics.metrics_key(run_id), latest=True) is not None,
+            "reads_metrics": dht.get(records.metrics_key(run_id), latest=True) is not None,
             "reads_members": dht.get(access.members_key(run_id), latest=True) is not None,
         }
         dht.store(f"{run_id}_intruder", b"x", get_dht_time() + 300)  # the member checks below that it is not there
@@ -186,7 +186,7 @@ def member(args) -> dict:
         identity_path=args.identity,
         invite=args.invite,
     )
-    validators, public_key = metrics.make_validators(args.run_id)
+    validators, public_key = records.make_validators(args.run_id)
     swarm_args, membership = swarm.admission(swarm_args)
     dht = swarm.build_dht(swarm_args, validators, authorizer=membership.authorizer)
     membership.start(dht, public_key)
@@ -217,7 +217,7 @@ def member(args) -> dict:
         found.update(asyncio.run(as_outsiders(args.first, first, trainer, args.run_id, token)))
         # the trainers publish metrics after each global step, and a record may lapse between them on a busy machine
         deadline = time.monotonic() + 60
-        while (metrics_found := dht.get(metrics.metrics_key(args.run_id), latest=True)) is None:
+        while (metrics_found := dht.get(records.metrics_key(args.run_id), latest=True)) is None:
             if time.monotonic() > deadline:
                 break
             time.sleep(1.0)

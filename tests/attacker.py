@@ -31,8 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sahajbert import robust, trainer  # noqa: E402
-from sahajbert.arguments import PeerArguments, TrainerScriptArguments  # noqa: E402
 from sahajbert.cli import Flags, parse_args, setup_logging  # noqa: E402
+from sahajbert.flags import PeerArguments, TrainerScriptArguments  # noqa: E402
 from sahajbert.signals import StopRequest  # noqa: E402
 
 ATTACKS = ("nan", "scaled", "sign_flipped", "bad_reducer", "bad_final_reducer", "honest")
@@ -157,8 +157,8 @@ LIE_FILE: Path | None = None
 _aggregate = robust.aggregate
 
 
-def lying_aggregate(contributions, weights, how, own=None):
-    combined = _aggregate(contributions, weights, how, own)
+def lying_aggregate(contributions, weights, how, own=None, own_scale=0.0):
+    combined = _aggregate(contributions, weights, how, own, own_scale)
     if LIE_FILE is not None and LIE_FILE.exists():
         combined.tensor = combined.tensor * 1e4
     return combined

@@ -26,7 +26,7 @@ def main() -> None:
     averager_class = TrainingStateAverager
     if kind == "ours":  # installed before any hivemind process starts: each one forks with the bounds in force
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from sahajbert import adaptive, swarm
+        from sahajbert import link_probe, swarm
         from sahajbert.hivemind_ext.averaging.averager import GuardedStateAverager
         from sahajbert.hivemind_ext.dht import protocol
 
@@ -37,7 +37,7 @@ def main() -> None:
             protocol.DHT_REQUESTS_PER_SECOND, protocol.DHT_REQUEST_BURST = float(rate), int(burst)
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     if kind == "ours":
-        adaptive.serve_link_probe(dht)
+        link_probe.serve_link_probe(dht)
     # FLOOD_CHUNK_TIMEOUT: the averager's next_chunk_timeout (seconds), for a test that waits it out
     chunk_timeout = float(os.environ["FLOOD_CHUNK_TIMEOUT"]) if "FLOOD_CHUNK_TIMEOUT" in os.environ else None
     averager = averager_class(

@@ -13,9 +13,9 @@ import psutil
 import pytest
 import torch
 
-from sahajbert.arguments import CorpusArguments
 from sahajbert.checkpoints import list_checkpoints
 from sahajbert.collators import PretrainingCollator
+from sahajbert.flags import CorpusArguments
 from sahajbert.localswarm import LOOPBACK, PeerProcess, start_first_peer, tiny_trainer_flags
 from sahajbert.model import build_model, load_model
 from sahajbert.samples import SAMPLE_FILES
@@ -152,13 +152,13 @@ def loopback_dhts(count: int, record_validators: list[list] | None = None):
 
 @contextlib.contextmanager
 def signed_dhts(run_id: str, count: int):
-    """`count` loopback DHT peers with the run's record validators (sahajbert.metrics), each signing with its own RSA
+    """`count` loopback DHT peers with the run's record validators (sahajbert.records), each signing with its own RSA
     key, as trainers in separate processes do: yields [(dht, its public key)]."""
     from hivemind.dht.crypto import RSASignatureValidator
     from hivemind.dht.schema import SchemaValidator
     from hivemind.utils.crypto import RSAPrivateKey
 
-    from sahajbert.metrics import MetricSchema
+    from sahajbert.records import MetricSchema
 
     signers = [RSASignatureValidator(RSAPrivateKey()) for _ in range(count)]
     validators = [[SchemaValidator(MetricSchema, prefix=run_id), signer] for signer in signers]

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from sahajbert import access
 from sahajbert.access import Allowlist, Authority, add_invite, parse_invite, read_allowlist, token_valid
 from sahajbert.cli import UserError
 from sahajbert.localswarm import PeerProcess, peer_env, wait_for
@@ -65,6 +66,52 @@ def test_tokens_are_checked_against_the_authority(tmp_path):
     token.username = "mallory"  # the signature covers the name
     assert not token_valid(token, authority.public_key)
     assert not token_valid(authority.issue("alice", b"key"), authority.public_key, now=time.time() + 61)
+
+
+def test_an_invite_stream_that_ends_unanswered_is_asked_again(tmp_path):
+    """A real authority behind a p2p daemon that drops the first stream unanswered (as a busy peer did in CI): the
+    volunteer's join asks again and gets its token; a refusal ends the join at the first answer."""
+    import asyncio
+
+    from hivemind.p2p import P2P
+
+    from sahajbert.flags import SwarmArguments
+    from sahajbert.hivemind_ext.identity import identity_key
+
+    allowlist = tmp_path / "allow.txt"
+    invite = add_invite(allowlist, "alice")
+    for name in ("authority", "alice"):
+        access.new_identity(str(tmp_path / f"{name}.id"))
+    authority = Authority(identity_key(str(tmp_path / "authority.id")), Allowlist(allowlist), 60)
+    public_key = identity_key(str(tmp_path / "alice.id")).get_public_key().to_bytes()
+    streams = []
+
+    async def drops_the_first(stream_info, reader, writer):
+        streams.append(stream_info.peer_id)
+        if len(streams) == 1:
+            writer.close()
+        else:
+            await authority.serve(stream_info, reader, writer)
+
+    async def joins():
+        server = await P2P.create(identity_path=str(tmp_path / "authority.id"), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        try:
+            await server.add_binary_stream_handler(access.INVITE_PROTOCOL, drops_the_first)
+            maddrs = [str(m) for m in await server.get_visible_maddrs()]
+            alice = str(tmp_path / "alice.id")
+            swarm_args = SwarmArguments(run_id="invited", initial_peers=maddrs, identity_path=alice)
+            token, authority_key, peer = await access._first_token(swarm_args, invite, public_key)
+            assert peer == server.peer_id and authority_key == authority.public_key and len(streams) == 2
+            assert token.username == "alice" and token_valid(token, authority.public_key)
+
+            streams.clear()
+            with pytest.raises(access.Refused, match="not on the organizer's allowlist"):
+                await access._first_token(swarm_args, access.Invite("alice", "guessed"), public_key)
+            assert len(streams) == 2  # the dropped stream, then the refusal: not asked a third time
+        finally:
+            await server.shutdown()
+
+    asyncio.run(joins())
 
 
 # ---- a run ----

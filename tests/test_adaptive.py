@@ -17,21 +17,16 @@ from sahajbert.adaptive import (
     AVERAGING_TIMEOUT_BOUNDS,
     DILOCO_READS_PER_STEP,
     FALLBACK_LINK,
-    PROBE_CHUNK,
-    PROBE_PINGS,
-    LinkEstimate,
-    LinkWatch,
-    RoundMonitor,
     explicit_timing,
-    measure_link,
     payload_bytes,
     plan_timing,
     refresh_period_for,
-    serve_link_probe,
 )
+from sahajbert.joining import start_priority
+from sahajbert.link_probe import PROBE_CHUNK, PROBE_PINGS, LinkEstimate, LinkWatch, measure_link, serve_link_probe
 from sahajbert.localswarm import wait_for
 from sahajbert.model import count_parameters, read_config
-from sahajbert.trainer import start_priority
+from sahajbert.round_log import RoundMonitor
 
 from .swarm_helpers import script
 
@@ -121,7 +116,7 @@ def test_a_peer_that_started_earlier_has_the_higher_start_priority():
 def test_hivemind_round_failures_are_counted_with_their_cause(caplog):
     monitor = RoundMonitor(verbose=False).attach()
     try:
-        with caplog.at_level(logging.INFO, logger="sahajbert.adaptive"):
+        with caplog.at_level(logging.INFO, logger="sahajbert.round_log"):
             optimizer_logger = logging.getLogger("hivemind.optim.optimizer")
             monitor.gradient_round_started(0.0)
             optimizer_logger.info("Averaged gradients with 3 peers")
@@ -131,7 +126,7 @@ def test_hivemind_round_failures_are_counted_with_their_cause(caplog):
         monitor.detach()
     assert monitor.gradient_rounds == 1 and len(monitor.round_seconds) == 1
     assert monitor.failed_rounds == 2
-    lines = [r.getMessage() for r in caplog.records if r.name == "sahajbert.adaptive"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "sahajbert.round_log"]
     assert any("gradient averaging round failed (TimeoutError())" in line for line in lines), lines
     assert any("parameter averaging round failed" in line and "2 failed so far" in line for line in lines), lines
 
@@ -144,7 +139,7 @@ def test_a_failed_link_probe_is_one_line_not_a_traceback():
     script = textwrap.dedent(
         """
         import hivemind
-        from sahajbert.adaptive import measure_link
+        from sahajbert.link_probe import measure_link
         server = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         maddrs = [str(m) for m in server.get_visible_maddrs()]
         client = hivemind.DHT(start=True, initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"])

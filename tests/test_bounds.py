@@ -20,8 +20,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import as_aiter
 
-from sahajbert.adaptive import PROBE_CHUNK, PROBE_PROTOCOL
-from sahajbert.arguments import MAX_RECORD_LIFETIME
+from sahajbert.flags import MAX_RECORD_LIFETIME
 from sahajbert.hivemind_ext.averaging.averager import MAX_REQUESTS_PER_PEER
 from sahajbert.hivemind_ext.dht import storage as bounded_storage
 from sahajbert.hivemind_ext.dht.protocol import (
@@ -33,6 +32,7 @@ from sahajbert.hivemind_ext.dht.protocol import (
 )
 from sahajbert.hivemind_ext.dht.storage import MAX_RECORD_BYTES, MAX_STORED_RECORDS, RECOUNT_EVERY, BoundedLocalStorage
 from sahajbert.hivemind_ext.p2p import MAX_STREAM_MESSAGE_BYTES
+from sahajbert.link_probe import PROBE_CHUNK, PROBE_PROTOCOL
 from sahajbert.localswarm import peer_env
 
 from .swarm_helpers import ROOT
@@ -322,6 +322,8 @@ PART_STREAMS = MAX_REQUESTS_PER_PEER["part"] + 2  # all-reduce streams one flood
 # seconds the target holds a part for a group it has not begun: every flood stream must arrive while the first are
 # held (with 5 s, on a busy machine, the first was answered before the last arrived, and only one was refused)
 HELD_PART_SECONDS = 20.0
+# a stream's first answer when the target closed it at once, unread: a refusal, as the caller sees it
+CLOSED = "CLOSED"
 
 
 async def flood_part_streams(info: dict) -> dict:
@@ -332,7 +334,12 @@ async def flood_part_streams(info: dict) -> dict:
         stub = TrainingStateAverager.get_stub(p2p, peer, namespace="flood")
         stream = await stub.rpc_aggregate_part(as_aiter(averaging_pb2.AveragingData(group_id=b"no such group")))
         streams.append(stream)
-        answer = await asyncio.wait_for(anext(stream), 120)
+        try:
+            answer = await asyncio.wait_for(anext(stream), 120)
+        except (ConnectionError, StopAsyncIteration):
+            # the target refused and closed the stream at once, unread: hivemind's caller then reads a broken pipe or
+            # the stream's end, not the refusal (a held stream reads the part and stays open, so it never ends so)
+            return CLOSED
         return averaging_pb2.MessageCode.Name(answer.code)
 
     async with connected(info) as (p2p, peer), connected(info) as (other, _):
@@ -365,8 +372,10 @@ def test_one_peer_has_a_bounded_number_of_all_reduce_streams_served_at_once():
             results[kind] = asyncio.run(flood_part_streams(info))
     assert results["plain"] == {"flooder": ["BAD_GROUP_ID"] * PART_STREAMS, "another": "BAD_GROUP_ID"}, results
     served = MAX_REQUESTS_PER_PEER["part"]
-    expected = ["BAD_GROUP_ID"] * served + ["PROTOCOL_VIOLATION"] * (PART_STREAMS - served)
-    assert results["ours"] == {"flooder": expected, "another": "BAD_GROUP_ID"}, results
+    refused = [code for code in results["ours"]["flooder"] if code != "BAD_GROUP_ID"]
+    assert results["ours"]["flooder"].count("BAD_GROUP_ID") == served, results
+    assert len(refused) == PART_STREAMS - served and set(refused) <= {"PROTOCOL_VIOLATION", CLOSED}, results
+    assert results["ours"]["another"] == "BAD_GROUP_ID", results
 
 
 def test_a_callers_dht_allowance_is_a_burst_then_a_rate():

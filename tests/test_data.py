@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from sahajbert.arguments import CorpusArguments
 from sahajbert.cli import UserError
 from sahajbert.collators import IGNORE_INDEX, PretrainingCollator
 from sahajbert.corpus import SkipCounter, resolve_probabilities, resolve_sources, stream_documents
 from sahajbert.examples import SENTENCE_ENDS, PairBuilder, split_sentences
+from sahajbert.flags import CorpusArguments
 from sahajbert.stream import Prefetcher, batched, iterate_examples
 from sahajbert.tokenization import word_start_table
 

@@ -12,7 +12,6 @@ import torch
 from safetensors.torch import load_file
 from transformers import DataCollatorWithPadding
 
-from sahajbert.arguments import PeerArguments
 from sahajbert.checkpoints import latest_checkpoint
 from sahajbert.cli import parse_args
 from sahajbert.finetuning import (
@@ -27,6 +26,7 @@ from sahajbert.finetuning import (
     read_news_file,
     summarize,
 )
+from sahajbert.flags import PeerArguments
 from sahajbert.localswarm import peer_env, tiny_trainer_flags
 from sahajbert.model import load_model
 from sahajbert.samples import SAMPLE_TOKENIZER

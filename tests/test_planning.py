@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from sahajbert.arguments import SwarmArguments
+from sahajbert.flags import SwarmArguments
 from sahajbert.hivemind_ext.p2p import relay_options
 from sahajbert.swarm import public_ip, relays_of
 

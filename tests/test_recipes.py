@@ -7,7 +7,7 @@ import runpy
 import pytest
 
 from sahajbert import cli
-from sahajbert.arguments import finetune_flags
+from sahajbert.flags.finetune import finetune_flags
 from sahajbert.recipes import PROTOCOLS, RECIPES
 
 from .swarm_helpers import ROOT, script

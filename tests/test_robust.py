@@ -79,6 +79,9 @@ def test_two_contributions_are_averaged_and_none_finite_gives_nan():
     assert torch.allclose(mean, (a + b) / 2)  # weights capped at the lower median (1.0): equal
     nothing = aggregate([torch.full((4,), float("nan"))] * 2, [1.0, 1.0], Aggregation())
     assert nothing.dropped == [0, 1] and torch.isnan(nothing.tensor).all()
+    # a peer without samples (weight 0: an aux peer assisting) is not counted in, nor dropped as a bad one
+    assisted = aggregate([a, b, torch.zeros_like(a)], [1.0, 3.0, 0.0], Aggregation())
+    assert torch.allclose(assisted.tensor, mean) and assisted.dropped == [] and assisted.outliers == []
 
 
 def test_two_honest_gradients_are_averaged_by_the_reducer_that_holds_one():
@@ -89,6 +92,42 @@ def test_two_honest_gradients_are_averaged_by_the_reducer_that_holds_one():
     for own in (0, 1):
         combined = aggregate([a, b], [8.0, 8.0], Aggregation(), own=own)
         assert torch.allclose(combined.tensor, (a + b) / 2) and combined.outliers == []
+
+
+def whole_share(whole: torch.Tensor, part: torch.Tensor) -> float:
+    """A whole contribution's norm shared out by a part's length, as a reducer passes it (`own_scale`)."""
+    return float(whole.norm()) * (part.numel() / whole.numel()) ** 0.5
+
+
+def test_honest_parts_near_zero_in_one_peer_are_averaged_as_they_are():
+    # hivemind cuts each tensor into its own parts: honest peers' parts can be near zero in one of them. Embedding
+    # rows only the other's batch touched (gradients: zero in this peer's), and a zero-initialized bias that the
+    # other's last update moved (parameters: 1e-3 in this peer's, 2e-3 in the other's)
+    generator = torch.Generator().manual_seed(2)
+    gradient = torch.randn(20_000, generator=generator)
+    mine, theirs = torch.zeros(1000), torch.randn(1000, generator=generator)
+    biases = (torch.full((64,), 1e-3), torch.full((64,), 2e-3))
+    parameters = 0.02 * torch.randn(100_000, generator=generator)
+    for factor, (a, b), whole in (
+        (PAIR_FACTOR, (mine, theirs), gradient),
+        (PARAMETER_PAIR_FACTOR, biases, parameters),
+    ):
+        how = Aggregation(pair_factor=factor)
+        combined = aggregate([a, b], [8.0, 8.0], how, own=0, own_scale=whole_share(whole, a))
+        assert torch.allclose(combined.tensor, (a + b) / 2) and combined.outliers == [], factor
+        # the bound of the own part's norm alone kept the own values (or moved them by a fifth of the difference)
+        alone = aggregate([a, b], [8.0, 8.0], how, own=0).tensor
+        assert float((alone - (a + b) / 2).norm()) > 0.25 * float((b - a).norm()), factor
+
+
+@pytest.mark.parametrize("factor", [PAIR_FACTOR, PARAMETER_PAIR_FACTOR])
+def test_a_hostile_peer_moves_a_part_near_zero_by_at_most_half_the_whole_contributions_share(factor):
+    own, whole = torch.zeros(1000), honest(1)[0].repeat(20)
+    share = whole_share(whole, own)
+    for bad in (1e4 * torch.ones(1000), -1e4 * torch.ones(1000)):
+        for rule in ("centered_clip", "norm_clip"):
+            combined = aggregate([bad, own], [1e9, 8.0], Aggregation(rule, pair_factor=factor), own=1, own_scale=share)
+            assert float(combined.tensor.norm()) <= factor / 2 * share * 1.0001 and combined.outliers == [0], rule
 
 
 @pytest.mark.parametrize("attack", ["scaled", "sign_flipped", "nan"])
@@ -109,6 +148,28 @@ def test_a_hostile_peer_moves_a_pair_by_at_most_half_the_bound(attack, factor):
         assert combined.outliers == ([0] if far else [])
     # without the reducer's own contribution (an aux peer reduces) the pair is averaged as before
     assert torch.allclose(aggregate([own, 2 * own], [1.0, 1.0], how).tensor, 1.5 * own)
+
+
+def test_a_reducer_taking_part_with_weight_0_bounds_a_hostile_one_of_two_others_gradients_by_its_own():
+    # a reducer one step behind tags along with weight 0: it combines the two others' gradients, one of them hostile,
+    # and judges both by its own (their mean would take half of the x1e4 one)
+    own, other = honest(2)
+    for rule in ("centered_clip", "norm_clip"):
+        contributions, weights = [1e4 * other, other, own], [8.0, 8.0, 0.0]
+        combined = aggregate(contributions, weights, Aggregation(rule, pair_factor=PAIR_FACTOR), own=2)
+        moved = float((combined.tensor - own).norm())
+        assert moved <= PAIR_FACTOR * float(own.norm()) * 1.0001, (rule, moved)
+        assert combined.outliers == [0] and combined.dropped == [], rule
+    how = Aggregation(pair_factor=PAIR_FACTOR)
+    # honest others' gradients: their mean, as before
+    assert torch.allclose(aggregate([own, other, own], [8.0, 8.0, 0.0], how, own=2).tensor, (own + other) / 2)
+    # a reducer that holds nothing of its own (an aux peer's zero gradients) has nothing to judge by: their mean
+    zeros = torch.zeros_like(own)
+    assert torch.allclose(aggregate([own, other, zeros], [8.0, 8.0, 0.0], how, own=2).tensor, (own + other) / 2)
+    # parameters a step old are no reference: two honest peers' parameters a step apart from them are averaged
+    stale, (a, b) = own, (own + 0.5 * (other - own), other)
+    parameters = Aggregation(pair_factor=PARAMETER_PAIR_FACTOR)
+    assert torch.allclose(aggregate([a, b, stale], [8.0, 8.0, 0.0], parameters, own=2).tensor, (a + b) / 2)
 
 
 def test_bad_settings_are_refused():
@@ -186,6 +247,20 @@ def test_a_lone_claimant_moves_no_step_until_another_peer_backs_it_or_it_is_vouc
     claims = {b"a": record(b"a", 0), b"x1": record(b"x", 7), b"x2": record(b"x", 7)}
     kept, _ = plausible_progress(claims, own_peer=b"a", own_epoch=0, target=96, step_seconds=1.0)
     assert set(kept) == {b"a"}
+    # two claimants back each other only while this peer vouches for none of the peers that report progress: beside a
+    # peer it averaged with (its swarm), two plain peers that never met its rounds move no step, however many they are
+    claims = {b"a": record(b"a", 1), b"h": record(b"h", 1), b"x": record(b"x", 10), b"y": record(b"y", 1000)}
+    for vouched, followed in (({b"h"}, {b"a", b"h"}), (set(), {b"a", b"h", b"x"})):
+        kept, _ = plausible_progress(
+            claims, own_peer=b"a", own_epoch=1, target=96, step_seconds=1.0, standing=Standing(vouched=vouched)
+        )
+        assert set(kept) == followed, vouched
+    # and a peer it vouches for backs a step up to its own
+    claims[b"h"] = record(b"h", 2)
+    kept, _ = plausible_progress(
+        claims, own_peer=b"a", own_epoch=1, target=96, step_seconds=1.0, standing=Standing(vouched={b"h"})
+    )
+    assert set(kept) == {b"a", b"h"}
     # a vouched peer's step counts alone, but still never above the others' lower median
     claims = {b"a": record(b"a", 3), b"b": record(b"b", 3), b"v": record(b"v", 9)}
     kept, _ = plausible_progress(
@@ -256,6 +331,7 @@ def test_a_hostile_peer_in_a_pair_cannot_take_over_the_parameters():
                 parameters = [torch.nn.Parameter(scale * start.clone())]
                 averager = sgd_state_averager(dht, parameters, "pair")
                 optimizer = SimpleNamespace(local_epoch=0, scheduled_state=None, scheduled_grads=None)
+                optimizer.round_in_flight, optimizer.finish_round_in_flight = False, lambda timeout: None
                 optimizer.state_averager = averager
                 peers.append((parameters, optimizer))
             rounds = [compat.start_parameter_round(opt, FINAL_GROUP_BITS, 60, 120, group_size=2) for _, opt in peers]
@@ -289,6 +365,7 @@ def test_a_peer_left_out_leads_no_group_of_this_peer():
                 parameters = [torch.nn.Parameter(torch.full((1000,), value))]
                 averager = sgd_state_averager(dht, parameters, "leftout", distrusted=distrusted)
                 optimizer = SimpleNamespace(local_epoch=0, scheduled_state=None, scheduled_grads=None)
+                optimizer.round_in_flight, optimizer.finish_round_in_flight = False, lambda timeout: None
                 optimizer.state_averager = averager
                 peers.append((parameters, optimizer))
             (a_parameters, a), (_, b) = peers

@@ -90,9 +90,23 @@ class StandInTracker:
         self.global_state_updated = SimpleNamespace(set=self.fetched_global_progress_this_epoch.set)
 
 
+class StandInOptimizer(SimpleNamespace):
+    """Shaped like GuardedOptimizer where the accessors and the final round read it, answering the loop's questions
+    as a data-parallel peer does (no round in flight; a read of the progress wakes the tracker's fetcher)."""
+
+    round_in_flight = False
+
+    def read_progress_now(self, timeout):
+        compat.request_progress_read(self.tracker)
+        return self.tracker.fetched_global_progress_this_epoch.wait(timeout)
+
+    def finish_round_in_flight(self, timeout=None):
+        pass
+
+
 def stand_in_optimizer(local=0, swarm=0, peers=1, gradient_stage=None, averager=None):
     scheduled_grads = None if gradient_stage is None else StandInControl(gradient_stage)
-    return SimpleNamespace(
+    return StandInOptimizer(
         local_epoch=local,
         tracker=StandInTracker(swarm, peers),
         scheduled_grads=scheduled_grads,
@@ -305,7 +319,7 @@ def test_the_final_round_leaves_peers_that_drifted_apart_with_the_same_parameter
 def test_the_final_rounds_peers_declare_its_end_in_the_runs_schema():
     # a trainer stays up after its final round until every peer of its group declared its own round ended: a record
     # the run's validators refused would hold each trainer for a round timeout at every run's end
-    from sahajbert.metrics import FinishedRecord, declare_finished, fetch_finished
+    from sahajbert.records import FinishedRecord, declare_finished, fetch_finished
 
     run_id = "ending"
 
@@ -328,7 +342,7 @@ def test_the_final_rounds_peers_declare_its_end_in_the_runs_schema():
 
 
 def finished(peer, complete=True, serves_state=True):
-    from sahajbert.metrics import FinishedRecord
+    from sahajbert.records import FinishedRecord
 
     return FinishedRecord(step=8, peer_id=peer, complete=complete, serves_state=serves_state)
 
@@ -375,7 +389,7 @@ def is_ours(patch) -> bool:
 
 def test_install_applies_every_patch_once_and_keeps_the_policies():
     from sahajbert import robust
-    from sahajbert.arguments import MAX_RECORD_LIFETIME
+    from sahajbert.flags import MAX_RECORD_LIFETIME
     from sahajbert.hivemind_ext import patches, policy
 
     # installed for the session by conftest.py, as a peer installs it when it joins

@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from sahajbert.arguments import PeerArguments
 from sahajbert.checkpoints import latest_checkpoint, list_checkpoints
 from sahajbert.cli import parse_args
+from sahajbert.flags import PeerArguments
 from sahajbert.localswarm import PeerProcess, tiny_trainer_flags, wait_for
 from sahajbert.model import load_model
 from sahajbert.signals import StopRequest

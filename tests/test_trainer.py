@@ -5,17 +5,19 @@ import re
 
 import torch
 
-from sahajbert.arguments import PeerArguments
 from sahajbert.checkpoints import list_checkpoints
 from sahajbert.cli import parse_args
 from sahajbert.compute import Compute, LocalCompute
+from sahajbert.flags import PeerArguments
 from sahajbert.hivemind_ext.optim import accessors
+from sahajbert.joining import parameters_digest
 from sahajbert.localswarm import tiny_trainer_flags
 from sahajbert.model import build_model
+from sahajbert.reports import slow_pace_warning
 from sahajbert.signals import StopRequest
 from sahajbert.tokenization import load_tokenizer
 from sahajbert.train_log import StepRecord, read_train_log
-from sahajbert.trainer import TrainerPeer, parameters_digest, slow_pace_warning
+from sahajbert.trainer import TrainerPeer
 
 
 def test_a_lone_trainer_makes_its_global_steps_logs_and_saves_them(tmp_path):
@@ -23,7 +25,7 @@ def test_a_lone_trainer_makes_its_global_steps_logs_and_saves_them(tmp_path):
     (peer_args,) = parse_args((PeerArguments,), flags)
     with TrainerPeer(peer_args) as peer:
         assert isinstance(peer.compute, LocalCompute) and isinstance(peer.compute, Compute)
-        assert peer.final_round is not None, "a run with --max_steps ends in a final round (skipped when alone)"
+        assert peer.ending.final_round is not None, "a run with --max_steps ends in a final round (skipped when alone)"
         result = peer.run(StopRequest())
     # 16 samples per global step, 8 per pass: two passes toward each of the three steps
     assert result.final_step == 3 and [r.step for r in result.steps] == [1, 2, 3]

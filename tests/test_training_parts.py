@@ -18,19 +18,19 @@ from transformers import AlbertConfig, AlbertForPreTraining
 
 from sahajbert import checkpoints
 from sahajbert import hivemind_ext as compat
-from sahajbert.arguments import (
+from sahajbert.cli import UserError
+from sahajbert.devices import DeviceInfo, choose_precision
+from sahajbert.flags import (
     AveragingArguments,
     CollaborativeOptimizerArguments,
     LocalTrainingArguments,
     PeerArguments,
     SwarmArguments,
 )
-from sahajbert.cli import UserError
-from sahajbert.devices import DeviceInfo, choose_precision
-from sahajbert.metrics import LocalMetrics, StepEntry
 from sahajbert.model import PRESETS_DIR, build_model, load_config
 from sahajbert.monitor import SwarmMonitor
 from sahajbert.optim import Lamb, lr_at_step, parameter_groups
+from sahajbert.records import LocalMetrics, StepEntry
 
 from .swarm_helpers import LOCAL, USER_SCRIPTS, script
 
@@ -245,7 +245,7 @@ def test_schedule_follows_the_global_step_not_mini_steps(lonely_optimizer):
 
 
 def test_non_finite_parameters_roll_back_to_the_last_good_state(lonely_optimizer):
-    from sahajbert.trainer import LastGoodState
+    from sahajbert.rollback import LastGoodState
 
     model, optimizer = lonely_optimizer
     train_one_batch(model, optimizer)
@@ -265,7 +265,7 @@ def test_non_finite_parameters_roll_back_to_the_last_good_state(lonely_optimizer
 
 
 def test_finite_parameters_that_overflow_every_pass_roll_back_to_the_last_state_that_trained(lonely_optimizer):
-    from sahajbert.trainer import DROPPED_PASSES_BEFORE_ROLLBACK, LastGoodState
+    from sahajbert.rollback import DROPPED_PASSES_BEFORE_ROLLBACK, LastGoodState
 
     model, optimizer = lonely_optimizer
     train_one_batch(model, optimizer)
@@ -526,7 +526,6 @@ def test_adaptive_compression_sends_parts_up_to_2_16_values_in_fp16_and_larger_o
 def an_absent_peer(optimizer, dht, run_id: str):
     """Beside a lonely optimizer, a peer that reports progress toward its step and never comes to its averaging
     rounds (tests/absent_peer.py), from when that peer is seen: the optimizer's rounds look for it and fail."""
-    from sahajbert import hivemind_ext as compat
     from sahajbert.localswarm import wait_for
 
     absent = subprocess.Popen(
@@ -538,7 +537,7 @@ def an_absent_peer(optimizer, dht, run_id: str):
     try:
         assert absent.stdout.readline().strip() == "reporting"
         wait_for(
-            lambda: compat.read_progress_now(optimizer, 5) and optimizer.tracker.global_progress.num_peers == 2,
+            lambda: optimizer.read_progress_now(5) and optimizer.tracker.global_progress.num_peers == 2,
             60,
             "the other peer's progress to be seen",
         )
@@ -572,7 +571,7 @@ def test_a_lockstep_step_whose_gradient_round_found_nobody_makes_no_parameter_ro
     # gradient round while the others are in their parameter round) found nobody in either, for good: a peer whose
     # gradient round found nobody makes no parameter round at that step, and its next gradient round meets theirs
     from sahajbert import hivemind_ext as compat
-    from sahajbert.adaptive import RoundMonitor
+    from sahajbert.round_log import RoundMonitor
 
     run_id = "lockstep-phase"
     model, optimizer, dht = lonely_lockstep(tokenizer, run_id, target_batch_size=12, averaging_timeout=3.0)
@@ -658,7 +657,7 @@ def test_an_overlapped_outer_round_runs_behind_the_next_inner_steps_which_keep_t
         assert any(not torch.equal(a, b) for a, b in zip(start, sent)), "the model stays where the inner steps went"
         # the step is global (the trainer reads the swarm afresh) only when the next round is due, not while
         # this one runs although the swarm may look a step ahead
-        assert not compat.step_would_be_global(optimizer, 4)
+        assert not optimizer.step_would_be_global(4)
         wait_for(lambda: optimizer.scheduled_grads.done(), 60, "the round to fail")
         progress = [torch.randn_like(p) * 1e-3 for p in params]  # as if inner steps had moved the model
         with torch.no_grad():
@@ -717,7 +716,7 @@ def test_an_overlapping_diloco_trainer_goes_on_with_inner_steps_while_its_round_
         for _ in range(2):
             train_one_batch(model, optimizer)
         assert optimizer.round_in_flight, "the round still looks for the absent peer"
-        assert not compat.step_would_be_global(optimizer, 4), "the H-th step starts no round while one is in flight"
+        assert not optimizer.step_would_be_global(4), "the H-th step starts no round while one is in flight"
         train_one_batch(model, optimizer)  # the H-th
         assert optimizer.round_in_flight and optimizer.local_epoch == 0 and optimizer.inner_step == 3, "it waited"
         assert waits.awaited == [], "the round is not waited for at the H-th step"
@@ -839,7 +838,6 @@ def test_a_diloco_trainer_publishes_the_runs_last_step_at_once(tokenizer):
 def test_a_diloco_trainer_reads_the_swarm_ahead_of_its_outer_round_and_does_not_wait_for_it(tokenizer):
     # the outer round starts on a fresh read of the swarm's progress (its peers, its step): asked for halfway
     # through the round, it is in by the H-th step, which then waits for no DHT read
-    from sahajbert import hivemind_ext as compat
     from sahajbert.localswarm import wait_for
 
     model, optimizer, dht = lonely_diloco(tokenizer, "diloco-read-ahead", inner_steps=4)
@@ -855,11 +853,11 @@ def test_a_diloco_trainer_reads_the_swarm_ahead_of_its_outer_round_and_does_not_
         train_one_batch(model, optimizer)
         assert optimizer.read_ahead_from is not None
         wait_for(lambda: optimizer.read_ahead_came_in, 30, "the read asked for halfway")
-        assert compat.read_progress_now(optimizer, timeout=0), "no wait: a read asked for now is not in at once"
+        assert optimizer.read_progress_now(timeout=0), "no wait: a read asked for now is not in at once"
         for _ in range(2):
             train_one_batch(model, optimizer)
         assert optimizer.local_epoch == 2 and optimizer.read_ahead_from is None, "a new round asks again"
-        assert not compat.read_progress_now(optimizer, timeout=0), "without a read ahead, the read is waited for"
+        assert not optimizer.read_progress_now(timeout=0), "without a read ahead, the read is waited for"
     finally:
         optimizer.shutdown()
         dht.shutdown()
@@ -886,24 +884,23 @@ def test_an_overlapping_diloco_trainer_reads_ahead_while_its_last_round_is_still
         assert optimizer.round_in_flight, "the round is still looking for the absent peer"
         assert optimizer.read_ahead_from is not None, "the read is asked for while the round is in flight"
         wait_for(lambda: optimizer.read_ahead_came_in, 30, "the read asked for halfway")
-        assert compat.read_progress_now(optimizer, timeout=0), "no wait at the H-th step"
+        assert optimizer.read_progress_now(timeout=0), "no wait at the H-th step"
 
 
 def test_an_overlapping_diloco_trainers_second_round_reads_ahead_at_step_0(tokenizer):
     # with overlap the second round is sent at step 0 too, while the first (the run's first global step) is in
-    # flight: it reads ahead like every later round (and `outer_round_in_flight`, which tells the trainer not to wait
+    # flight: it reads ahead like every later round (and `round_in_flight`, which tells the trainer not to wait
     # for starting trainers again, holds)
-    from sahajbert import hivemind_ext as compat
 
     run = diloco_with_an_absent_peer(
         tokenizer, "diloco-read-second", overlap=True, averaging_timeout=HELD_ROUND_TIMEOUT
     )
     with run as (model, optimizer, _):
         assert optimizer.read_ahead_from is None, "the run's first round reads after the wait for starting trainers"
-        assert not compat.outer_round_in_flight(optimizer)
+        assert not optimizer.round_in_flight
         train_one_batch(model, optimizer)  # the 3rd inner step: the first round is sent; it looks for the absent peer
         train_one_batch(model, optimizer)  # halfway (1 of 3) through the second round's inner steps
-        assert optimizer.local_epoch == 0 and compat.outer_round_in_flight(optimizer), "the first is still in flight"
+        assert optimizer.local_epoch == 0 and optimizer.round_in_flight, "the first is still in flight"
         assert optimizer.read_ahead_from is not None, "the second round's read is asked for at step 0"
 
 

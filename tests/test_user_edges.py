@@ -217,6 +217,24 @@ def test_help_is_grouped_and_names_no_machine_path(name, capsys):
         assert positive and positive.group(1) != flag[1], f"--no_{flag[0]} repeats the help of --{flag[0]}"
 
 
+# what --help of a script may import: its flags' module, not the libraries of training (seconds of CPU before a page of
+# text; fine-tuning's flags are transformers' own, so its scripts are not listed)
+HEAVY_IMPORTS = ("torch", "transformers", "hivemind", "datasets")
+
+
+@pytest.mark.parametrize("name", ["run_trainer.py", "run_first_peer.py", "run_aux_peer.py", "run_local_swarm.py"])
+def test_help_of_a_peer_script_imports_no_training_library(name):
+    check = (
+        "import contextlib, io, runpy, sys\n"
+        f"sys.argv = [{name!r}, '--help']\n"
+        "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()) as out:\n"
+        f"    runpy.run_path({str(script(name))!r}, run_name='__main__')\n"
+        f"print(out.getvalue().startswith('usage: '), sorted(m for m in {HEAVY_IMPORTS!r} if m in sys.modules))"
+    )
+    run = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=peer_env(), cwd=ROOT)
+    assert run.returncode == 0 and run.stdout.split() == ["True", "[]"], (run.stdout, run.stderr[-2000:])
+
+
 def test_each_script_shows_only_its_flags_with_its_own_defaults(capsys):
     aux = help_of("run_aux_peer.py", capsys)
     assert "--per_device_train_batch_size" not in aux and "--data_files" not in aux and "--max_steps" not in aux

@@ -11,10 +11,10 @@ import json
 
 import torch
 
-from sahajbert.arguments import CorpusArguments
 from sahajbert.collators import PretrainingCollator
 from sahajbert.compute import Compute
 from sahajbert.devices import describe_device
+from sahajbert.flags import CorpusArguments
 from sahajbert.model import build_model
 from sahajbert.samples import SAMPLE_FILES, SAMPLE_TOKENIZER
 from sahajbert.stream import batched, iterate_examples

@@ -6,9 +6,9 @@ import logging
 
 from tqdm.auto import tqdm
 
-from sahajbert.arguments import CorpusArguments, TokenizerTrainingArguments
 from sahajbert.cli import Flags, parse_args, run, setup_logging
 from sahajbert.corpus import SkipCounter, resolve_probabilities, resolve_sources, stream_documents
+from sahajbert.flags import CorpusArguments, TokenizerTrainingArguments
 from sahajbert.tokenization import save_tokenizer, train_tokenizer
 
 logger = logging.getLogger("train_tokenizer")

@@ -37,7 +37,11 @@ class RobustAccumulator:
     def div_(self, _total_weight: float) -> torch.Tensor:
         own = self.reducer.own_sender
         mine = self.senders.index(own) if own in self.senders else None
-        combined = policy.rules().aggregate(self.contributions, self.weights, self.reducer.aggregation, own=mine)
+        # this peer's whole contribution shared out by the part's length: the pair rule's smallest own size
+        own_scale = self.reducer.own_rms * math.sqrt(self.contributions[0].numel()) if self.contributions else 0.0
+        combined = policy.rules().aggregate(
+            self.contributions, self.weights, self.reducer.aggregation, own=mine, own_scale=own_scale
+        )
         self.reducer.dropped.update(self.senders[i] for i in combined.dropped)
         self.reducer.outliers.update(self.senders[i] for i in combined.outliers)
         return combined.tensor
@@ -48,9 +52,10 @@ class RobustTensorPartReducer(TensorPartReducer):
     `reset_accumulators`, which hivemind calls for every next part). Keeps each contribution of the current part
     until all have arrived: memory for one part times the group's size, instead of one part."""
 
-    def __init__(self, part_shapes, num_senders: int, aggregation, own_sender: int | None):
+    def __init__(self, part_shapes, num_senders: int, aggregation, own_sender: int | None, own_rms: float = 0.0):
         self.aggregation = aggregation
         self.own_sender = own_sender  # this peer's index among the senders (None: it sends nothing, an aux peer)
+        self.own_rms = own_rms  # the root mean square of this peer's whole contribution (its parts to every reducer)
         self.dropped: set[int] = set()  # senders with a non-finite contribution, by index
         self.outliers: set[int] = set()  # senders with a contribution far out of the others' range, by index
         self.senders: set[int] = set()  # senders that sent this peer a part to reduce, by index
@@ -96,12 +101,19 @@ class RobustAllReduceRunner(AllReduceRunner):
         self.vouch = vouch
         # the reducer hivemind made never runs: marked finished, it does not warn of 0% received when collected
         self.tensor_part_reducer.finished.set()
+        container = self.tensor_part_container
+        own = [part for parts in container._input_parts_by_peer for part, _ in parts]
+        checked = aggregation.rule != "plain"  # plain: hivemind's all-reduce, no checks
+        # this peer's whole contribution, which the checks and the pair rule measure its parts against
+        self._own_norm = math.sqrt(sum(float(part.float().norm()) ** 2 for part in own)) if checked else 0.0
+        self._own_size = max(1, sum(part.numel() for part in own))
         own_sender = self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else None
         self.tensor_part_reducer = RobustTensorPartReducer(
             tuple(part.shape for part in self.parts_for_local_averaging),
             len(self.sender_peer_ids),
             aggregation,
             own_sender,
+            own_rms=self._own_norm / math.sqrt(self._own_size) if own_sender is not None else 0.0,
         )
         for index, peer_id in enumerate(self.sender_peer_ids):
             if peer_id in distrusted and peer_id != self.peer_id:
@@ -110,11 +122,7 @@ class RobustAllReduceRunner(AllReduceRunner):
                 self.tensor_part_reducer.on_sender_failed(index)
         if len(self.active_senders) == len(self.sender_peer_ids):
             self.all_senders_started.set()
-        if aggregation.rule != "plain":  # plain: hivemind's all-reduce, no checks
-            container = self.tensor_part_container
-            own = [part for parts in container._input_parts_by_peer for part, _ in parts]
-            self._own_norm = math.sqrt(sum(float(part.float().norm()) ** 2 for part in own))
-            self._own_size = max(1, sum(part.numel() for part in own))
+        if checked:
             self._register = container.register_processed_part
             container.register_processed_part = self._register_checked
 

@@ -1,12 +1,59 @@
-"""hivemind's matchmaking with a peer's left-out peers refused as leaders (`GuardedMatchmaking`)."""
+"""hivemind's matchmaking with a peer's left-out peers refused as leaders and its DHT reads paced
+(`GuardedMatchmaking`)."""
 
+import asyncio
 import logging
 import math
+import time
+from math import isfinite
 
-from hivemind.averaging.matchmaking import Matchmaking
+from hivemind.averaging.key_manager import GroupKeyManager
+from hivemind.averaging.matchmaking import Matchmaking, PotentialLeaders
 from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
+from hivemind.utils.timed_storage import MAX_DHT_TIME_DISCREPANCY_SECONDS
 
 logger = logging.getLogger(__name__)
+
+# the fewest seconds between two reads of a round's group key while this peer looks for a group. hivemind reads it
+# again as soon as the last read has ended while this peer waits to lead (about 35 reads a second per averager on
+# loopback, two averagers per trainer), and every read costs each DHT node on its path a lookup and a signature check:
+# most of an idle trainer's CPU went to these reads and their answers. A group forms over a matchmaking time of
+# seconds, so learning of a better leader up to this much later costs a round nothing measurable
+LEADER_READ_SECONDS = 0.5
+
+
+class PacedLeaders(PotentialLeaders):
+    """hivemind's search for a leader, reading the group key at most every LEADER_READ_SECONDS."""
+
+    async def _update_queue_periodically(self, key_manager: GroupKeyManager) -> None:
+        """Follows hivemind 1.1.12's PotentialLeaders._update_queue_periodically (hivemind/averaging/matchmaking.py),
+        with a pause before each read that comes sooner than LEADER_READ_SECONDS after the last."""
+        slack = MAX_DHT_TIME_DISCREPANCY_SECONDS
+        last_read = -math.inf
+        while get_dht_time() < self.search_end_time:
+            pause = min(last_read + LEADER_READ_SECONDS - time.monotonic(), self.search_end_time - get_dht_time())
+            if pause > 0:
+                await asyncio.sleep(pause)
+            last_read = time.monotonic()
+            new_peers = await key_manager.get_averagers(key_manager.current_key, only_active=True)
+            self.max_assured_time = max(self.max_assured_time, get_dht_time() + self.min_matchmaking_time - slack)
+
+            self.leader_queue.clear()
+            for peer, peer_expiration_time in new_peers:
+                if peer == self.peer_id or (peer, peer_expiration_time) in self.past_attempts:
+                    continue
+                self.leader_queue.store(peer, peer_expiration_time, peer_expiration_time)
+                self.max_assured_time = max(self.max_assured_time, peer_expiration_time - slack)
+
+            self.update_finished.set()
+
+            await asyncio.wait(
+                {asyncio.create_task(self.running.wait()), asyncio.create_task(self.update_triggered.wait())},
+                return_when=asyncio.ALL_COMPLETED,
+                timeout=self.search_end_time - get_dht_time() if isfinite(self.search_end_time) else None,
+            )
+            self.update_triggered.clear()
 
 
 class GuardedMatchmaking(Matchmaking):
@@ -17,11 +64,14 @@ class GuardedMatchmaking(Matchmaking):
       refuses such a peer (`GuardedAverager._admits`), but hivemind would still follow it (hivemind's own averagers
       have no such peers).
     - A client-mode peer offers to wait for its group until its round's deadline (`get_request_expiration_time`).
+    - It reads the DHT for leaders at a pace (`PacedLeaders`).
     """
 
     def __init__(self, *args, distrusted: set[PeerID] = frozenset(), **kwargs):
         super().__init__(*args, **kwargs)
         self.distrusted = distrusted
+        leaders = self.potential_leaders
+        self.potential_leaders = PacedLeaders(leaders.peer_id, leaders.min_matchmaking_time, leaders.target_group_size)
 
     async def _request_join_group(self, leader: PeerID):
         if leader in self.distrusted:  # also a leader that an honest one's disbanded group redirects this peer to

@@ -2,7 +2,6 @@
 API (the swarm's progress, the state averager, the pre-scheduled rounds). Each function says what it relies on.
 """
 
-import copy
 import math
 import re
 import time
@@ -17,9 +16,8 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from sahajbert.hivemind_ext.averaging.control import SETTLE_POLL, cancel_round, still_matching
-from sahajbert.hivemind_ext.optim.diloco import DiLoCoOptimizer
 from sahajbert.hivemind_ext.optim.optimizer import NO_STATE_AVERAGING, GuardedOptimizer
-from sahajbert.hivemind_ext.optim.progress import BoundedProgressTracker, request_progress_read
+from sahajbert.hivemind_ext.optim.progress import BoundedProgressTracker
 
 
 @dataclass(frozen=True)
@@ -90,66 +88,6 @@ def wait_for_swarm_progress(optimizer: hivemind.Optimizer, timeout: float) -> No
     optimizer.tracker.fetched_global_progress_this_epoch.wait(timeout)
 
 
-def read_progress_now(optimizer: hivemind.Optimizer, timeout: float) -> bool:
-    """Make the tracker read the swarm's progress from the DHT now and wait for it; False if no read came in time.
-
-    The fetcher sleeps until `global_progress.next_fetch_time` or until `global_state_updated` is set; when woken it
-    re-reads the (now past) fetch time, fetches, and sets `fetched_global_progress_this_epoch`.
-    """
-    tracker = optimizer.tracker
-    if isinstance(optimizer, DiLoCoOptimizer) and optimizer.read_ahead_came_in:
-        return True  # asked for halfway through the round, and in: no wait before the outer round
-    request_progress_read(tracker)
-    return tracker.fetched_global_progress_this_epoch.wait(timeout)
-
-
-def step_would_be_global(optimizer: hivemind.Optimizer, batch_size: int) -> bool:
-    """Would `optimizer.step(batch_size)` start a global step, by the tracker's current view? (hivemind adds the
-    batch to `global_progress.samples_accumulated`, then checks `tracker.ready_to_update_epoch`.)"""
-    tracker = optimizer.tracker
-    progress = tracker.global_progress
-    if isinstance(optimizer, DiLoCoOptimizer):  # its outer round starts with its H-th inner step
-        behind = tracker.global_epoch > optimizer.local_epoch and not optimizer.round_in_flight
-        return behind or optimizer.outer_round_due(optimizer.inner_step + 1)
-    return (
-        tracker.global_epoch > tracker.local_progress.epoch
-        or progress.samples_accumulated + batch_size >= tracker.target_batch_size
-        or get_dht_time() >= progress.eta_next_epoch
-    )
-
-
-def inner_round(optimizer: hivemind.Optimizer) -> tuple[int, int] | None:
-    """DiLoCo: (inner steps made since the last outer step, inner steps per outer step); None in synchronous mode,
-    where every optimizer.step() changes the parameters only at a global step."""
-    if isinstance(optimizer, DiLoCoOptimizer):
-        return optimizer.inner_step, optimizer.inner_steps
-    return None
-
-
-def outer_round_in_flight(optimizer: hivemind.Optimizer) -> bool:
-    """DiLoCo with overlap: an outer round averages in the background, its outer step not yet made."""
-    return isinstance(optimizer, DiLoCoOptimizer) and optimizer.round_in_flight
-
-
-def take_inner_step_seconds(optimizer: hivemind.Optimizer) -> float:
-    """DiLoCo: seconds spent in inner optimizer steps since the last call (then 0 again); 0 in synchronous mode."""
-    if not isinstance(optimizer, DiLoCoOptimizer):
-        return 0.0
-    seconds, optimizer.inner_step_seconds = optimizer.inner_step_seconds, 0.0
-    return seconds
-
-
-def local_state(optimizer: hivemind.Optimizer) -> dict | None:
-    """DiLoCo: a copy of what a trainer changes between outer steps besides the parameters (the inner optimizer's
-    state, the round's progress), to roll back to; None in synchronous mode."""
-    return copy.deepcopy(optimizer.inner_state_dict()) if isinstance(optimizer, DiLoCoOptimizer) else None
-
-
-def restore_local_state(optimizer: hivemind.Optimizer, state: dict | None) -> None:
-    if state is not None:
-        optimizer.load_inner_state_dict(copy.deepcopy(state))
-
-
 def set_refresh_period(optimizer: hivemind.Optimizer, seconds: float) -> None:
     """The most seconds between two reads of the swarm's progress (`tracker.max_refresh_period`, read per fetch)."""
     optimizer.tracker.max_refresh_period = seconds
@@ -194,7 +132,7 @@ def state_priorities(optimizer: hivemind.Optimizer) -> dict[PeerID, float]:
 
 def starting_peers(optimizer: hivemind.Optimizer) -> set[PeerID]:
     """Trainers of a new run that offer their state at a start priority (between 0 and 1: step 0, see
-    trainer.start_priority) but report no progress yet (`tracker.training_progress_key`, whose entries name their
+    joining.start_priority) but report no progress yet (`tracker.training_progress_key`, whose entries name their
     `peer_id`; a peer reports once it has trained a batch)."""
     announced = {peer for peer, priority in state_priorities(optimizer).items() if 0 < priority < 1}
     if not announced:
@@ -250,26 +188,21 @@ def follow_schedule(optimizer: hivemind.Optimizer) -> None:
     optimizer.state_averager._update_scheduler()
 
 
-def prefer_as_state_donor(optimizer: hivemind.Optimizer) -> None:
-    """Newcomers download the state from this peer first (`state_averager.state_sharing_priority`, highest wins)."""
-    optimizer.state_averager.state_sharing_priority = optimizer.local_epoch
+def has_pending_updates(optimizer: GuardedOptimizer) -> bool:
+    """A background optimizer step or averaging round has not been applied yet (`state_averager.pending_updates`, or
+    the optimizer's round in flight)."""
+    return optimizer.round_in_flight or bool(optimizer.state_averager.pending_updates)
 
 
-def has_pending_updates(optimizer: hivemind.Optimizer) -> bool:
-    """A background optimizer step or averaging round has not been applied yet (`state_averager.pending_updates`;
-    DiLoCo with overlap: an outer round in flight)."""
-    return outer_round_in_flight(optimizer) or bool(optimizer.state_averager.pending_updates)
-
-
-def apply_pending_updates(optimizer: hivemind.Optimizer, timeout: float, outer_round: bool = True) -> bool:
+def apply_pending_updates(optimizer: GuardedOptimizer, timeout: float, round_in_flight: bool = True) -> bool:
     """Wait for every background update and apply it to the parameters; False if one still runs after `timeout` s.
-    `outer_round`: DiLoCo with overlap: also the outer round in flight (False: it lands at a later inner step).
+    `round_in_flight`: also the optimizer's round in flight, if any (False: it lands at a later step).
 
     `state_averager.step(wait_for_delayed_updates=True)` waits for each update at most the all-reduce timeout and
     then leaves it running, so it is called again until `pending_updates` is empty or the time is up.
     """
-    if outer_round and isinstance(optimizer, DiLoCoOptimizer):
-        optimizer.finish_outer_round(timeout)
+    if round_in_flight:
+        optimizer.finish_round_in_flight(timeout)
     averager = optimizer.state_averager
     deadline = time.monotonic() + timeout
     averager.step(wait_for_delayed_updates=True)
@@ -328,12 +261,11 @@ def partial_rounds(optimizer: hivemind.Optimizer) -> int:
     return optimizer.state_averager.partial_rounds
 
 
-def state_taken(optimizer: hivemind.Optimizer) -> None:
+def state_taken(optimizer: GuardedOptimizer) -> None:
     """After `take_state_of` brought a state: report this peer's new step, and let a download be due again only a
     refresh period later (hivemind's check that this peer is in sync would otherwise download it once more)."""
     report_step(optimizer, optimizer.local_epoch)
-    if isinstance(optimizer, GuardedOptimizer):
-        optimizer.downloads.done(True, optimizer.tracker.max_refresh_period)
+    optimizer.downloads.done(True, optimizer.tracker.max_refresh_period)
 
 
 TAKE_ATTEMPTS = 3  # downloads of one named peer's state tried before giving up
@@ -376,6 +308,6 @@ def unbacked_claims(optimizer: hivemind.Optimizer) -> dict[str, int]:
     return {PeerID(peer).to_base58(): step for peer, step in tracker.claims_ahead.items() if step > followed + 1}
 
 
-def left_out_peers(optimizer: hivemind.Optimizer) -> set[str]:
+def left_out_peer_names(optimizer: hivemind.Optimizer) -> set[str]:
     """The peers (base58) this peer's averagers have left out (`GuardedOptimizer`)."""
     return {PeerID(peer).to_base58() for peer in optimizer._left_out_peers()}

@@ -1,5 +1,6 @@
 """DiLoCo on hivemind.Optimizer's gradient path (`DiLoCoOptimizer`)."""
 
+import copy
 import logging
 import time
 from collections.abc import Callable
@@ -10,7 +11,7 @@ from hivemind.optim.progress_tracker import GlobalTrainingProgress
 from hivemind.utils import get_dht_time
 
 from sahajbert.hivemind_ext.averaging.control import cancel_round, round_pending, still_matching
-from sahajbert.hivemind_ext.optim.optimizer import NO_STATE_AVERAGING, GuardedOptimizer
+from sahajbert.hivemind_ext.optim.optimizer import NEVER, NO_STATE_AVERAGING, GuardedOptimizer
 from sahajbert.hivemind_ext.optim.progress import request_progress_read
 
 logger = logging.getLogger(__name__)
@@ -19,7 +20,6 @@ logger = logging.getLogger(__name__)
 SCHEDULE_MARGIN = 1.0  # seconds a round scheduled ahead starts before its timeout ends (hivemind asserts it does)
 
 
-NEVER = 2**62  # samples: a target the swarm's progress never reaches (a DiLoCo round is started by its inner steps)
 NOTE_PERIOD = 0.5  # seconds: a DiLoCo trainer notes its progress (samples) at most this often between its reports
 
 
@@ -93,7 +93,7 @@ class DiLoCoOptimizer(GuardedOptimizer):
             delay_grad_averaging=False,
             use_local_updates=False,
             average_state_every=NO_STATE_AVERAGING,
-            target_batch_size=NEVER,
+            target_batch_size=NEVER,  # samples never start an outer round: the inner steps do
         )
         super().__init__(**kwargs)
 
@@ -108,6 +108,35 @@ class DiLoCoOptimizer(GuardedOptimizer):
                 state["exp_avg"] = torch.zeros_like(p)
                 state["exp_avg_sq"] = torch.zeros_like(p)
                 yield from (state["step"], state["exp_avg"], state["exp_avg_sq"])
+
+    # ---- the questions of the trainer's loop, answered for DiLoCo's rounds ----
+
+    steps_change_parameters = True  # every inner step does
+    samples_start_steps = False  # each peer's H-th inner step starts the outer round, whatever the swarm's samples
+
+    def step_would_be_global(self, batch_size: int) -> bool:
+        """Its outer round starts with its H-th inner step; a peer the swarm's step has passed (no round of its own in
+        flight, which brings it there) downloads the state at its next step."""
+        behind = self.tracker.global_epoch > self.local_epoch and not self.round_in_flight
+        return behind or self.outer_round_due(self.inner_step + 1)
+
+    def read_progress_now(self, timeout: float) -> bool:
+        # asked for halfway through the round (`_read_ahead`), and in: no wait before the outer round
+        return self.read_ahead_came_in or super().read_progress_now(timeout)
+
+    def step_progress(self) -> str:
+        return f"inner step {self.inner_step}/{self.inner_steps} toward the next outer step"
+
+    def take_inner_step_seconds(self) -> float:
+        seconds, self.inner_step_seconds = self.inner_step_seconds, 0.0
+        return seconds
+
+    def local_state(self) -> dict:
+        """The inner optimizer's state and the round's progress (a copy)."""
+        return copy.deepcopy(self.inner_state_dict())
+
+    def restore_local_state(self, state: dict) -> None:
+        self.load_inner_state_dict(copy.deepcopy(state))
 
     @property
     def run_inner_step(self) -> int:
@@ -133,7 +162,7 @@ class DiLoCoOptimizer(GuardedOptimizer):
         self.inner_step += 1
         self.round_samples += batch_size
         if self.round_in_flight and (self.scheduled_grads.done() or self.inner_step >= self.most_inner_steps):
-            self.finish_outer_round()  # it ended, or this peer is a round ahead of the slowest: wait for it
+            self.finish_round_in_flight()  # it ended, or this peer is a round ahead of the slowest: wait for it
         self._report_progress()
         self._read_ahead()
         self._match_ahead()
@@ -275,7 +304,7 @@ class DiLoCoOptimizer(GuardedOptimizer):
                 self.round_began = time.monotonic()
         self.zero_grad(set_to_none=True)
 
-    def finish_outer_round(self, timeout: float | None = None) -> None:
+    def finish_round_in_flight(self, timeout: float | None = None) -> None:
         """With overlap: wait for the round in flight (at most `timeout` seconds, then it is cancelled; None: the
         averaging timeout), make its outer step (on this peer's own pseudo-gradient if the round failed) and move
         the model by as much, keeping the inner progress made since the round was sent."""
@@ -297,7 +326,7 @@ class DiLoCoOptimizer(GuardedOptimizer):
                 self.scheduled_grads, self.next_round = self.next_round, None
 
     def _begin_averaging_gradients(self, grad_scaler) -> bool:
-        # with overlap the round in flight was begun when it was sent (`_outer_step`); `finish_outer_round`'s
+        # with overlap the round in flight was begun when it was sent (`_outer_step`); `finish_round_in_flight`'s
         # `_update_global_epoch` only awaits it
         return True if self.round_in_flight else super()._begin_averaging_gradients(grad_scaler)
 
@@ -317,7 +346,7 @@ class DiLoCoOptimizer(GuardedOptimizer):
         self._load_averaged_gradients_into_optimizer_()
 
     def load_state_from_peers(self, **kwargs):
-        self.finish_outer_round()  # its result lands in the tensors the download replaces
+        self.finish_round_in_flight()  # its result lands in the tensors the download replaces
         if still_matching(self.scheduled_grads):  # a group looked for ahead, not formed yet: this round is not made
             cancel_round(self.scheduled_grads)  # (hivemind's download joins a formed one with no weight, as it waits)
         taken = super().load_state_from_peers(**kwargs)

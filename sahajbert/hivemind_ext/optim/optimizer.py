@@ -10,16 +10,19 @@ import hivemind
 from hivemind.averaging.control import StepControl
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.utils import get_dht_time
 
 from sahajbert.hivemind_ext.averaging.averager import GuardedAverager, GuardedGradientAverager, GuardedStateAverager
 from sahajbert.hivemind_ext.averaging.control import cancel_sent, round_succeeded
-from sahajbert.hivemind_ext.optim.progress import BoundedProgressTracker
+from sahajbert.hivemind_ext.optim.progress import BoundedProgressTracker, request_progress_read
 
 logger = logging.getLogger(__name__)
 
 
+# a count that no global step or sample total reaches
+NEVER = 2**62
 # an `average_state_every` that no global step number is a multiple of: no parameter round at the coming steps
-NO_STATE_AVERAGING = 2**62
+NO_STATE_AVERAGING = NEVER
 
 
 def gradient_averager_factory(gate=None, aggregation=None, **averager_opts):
@@ -59,15 +62,80 @@ class GuardedOptimizer(hivemind.Optimizer):
     """hivemind.Optimizer whose state averager is guarded and robust, and whose progress tracker bounds claims; its
     gradient averager comes from `gradient_averager_factory`. `_make_state_averager` and `_make_progress_tracker`
     repeat hivemind 1.1.12's own arguments. `passes_through`: exceptions a state download lets through (the project's
-    stop request) where any other failure is logged and training goes on."""
+    stop request) where any other failure is logged and training goes on. `reads_per_step`: how often per global
+    step the trainer has the swarm's progress read (the project's policy, sahajbert.adaptive.refresh_period_for).
+
+    The trainer asks the optimizer the questions of its loop (`step_would_be_global`, `read_progress_now`,
+    `step_progress`, `round_in_flight`, ...): this class answers them for data-parallel training, and a mode of
+    training (DiLoCoOptimizer) overrides the answers, so that the loop never asks which mode it runs."""
 
     def __init__(
-        self, *args, gate=None, aggregation=None, passes_through: tuple[type[BaseException], ...] = (), **kwargs
+        self,
+        *args,
+        gate=None,
+        aggregation=None,
+        passes_through: tuple[type[BaseException], ...] = (),
+        reads_per_step: float = 5,
+        **kwargs,
     ):
         self._gate, self._aggregation = gate, aggregation
         self._passes_through = passes_through
+        self.reads_per_step = reads_per_step
         self.downloads = DownloadBackoff()
         super().__init__(*args, **kwargs)
+
+    # ---- the questions of the trainer's loop, answered for data-parallel training ----
+
+    # an optimizer.step() changes the parameters only when it makes a global step
+    steps_change_parameters = False
+    # the swarm's samples start a global step: the swarm's pace, in samples/s, sets the time between global steps
+    samples_start_steps = True
+
+    @property
+    def round_in_flight(self) -> bool:
+        """A round was sent whose global step is not made yet, while this peer trains on (DiLoCo's overlap; hivemind's
+        delayed rounds are pending updates of the state averager instead)."""
+        return False
+
+    def step_would_be_global(self, batch_size: int) -> bool:
+        """Would `step(batch_size=batch_size)` start a global step, by the tracker's current view? (hivemind adds the
+        batch to `global_progress.samples_accumulated`, then checks `tracker.ready_to_update_epoch`.)"""
+        tracker = self.tracker
+        progress = tracker.global_progress
+        return (
+            tracker.global_epoch > tracker.local_progress.epoch
+            or progress.samples_accumulated + batch_size >= tracker.target_batch_size
+            or get_dht_time() >= progress.eta_next_epoch
+        )
+
+    def read_progress_now(self, timeout: float) -> bool:
+        """Make the tracker read the swarm's progress from the DHT now and wait for it; False if no read came in time.
+
+        The fetcher sleeps until `global_progress.next_fetch_time` or until `global_state_updated` is set; when woken
+        it re-reads the (now past) fetch time, fetches, and sets `fetched_global_progress_this_epoch`.
+        """
+        request_progress_read(self.tracker)
+        return self.tracker.fetched_global_progress_this_epoch.wait(timeout)
+
+    def step_progress(self) -> str:
+        """This peer's way to the coming global step, in words: the swarm's samples toward its batch."""
+        progress = self.tracker.global_progress
+        return f"{progress.samples_accumulated}/{progress.target_batch_size} samples toward the next step"
+
+    def take_inner_step_seconds(self) -> float:
+        """Seconds spent in optimizer steps made between global steps since the last call (then 0 again): none."""
+        return 0.0
+
+    def local_state(self) -> dict | None:
+        """A copy of what a trainer changes between global steps besides the parameters and the optimizer's state, to
+        roll back to: nothing."""
+        return None
+
+    def restore_local_state(self, state: dict | None) -> None:
+        """Take back a state `local_state` kept: nothing to take back."""
+
+    def finish_round_in_flight(self, timeout: float | None = None) -> None:
+        """Wait for the round in flight (`round_in_flight`) and make its global step: there is none."""
 
     def _should_load_state_from_peers(self) -> bool:
         # hivemind's answer first (it also clears its once-per-step check); then no more than the backoff allows

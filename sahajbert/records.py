@@ -1,4 +1,5 @@
-"""Per-peer training metrics in the DHT, signed and schema-checked, and their aggregation (a pure function)."""
+"""The DHT records of a run besides its progress: each trainer's signed metrics (its steps, samples and status), the
+start, finish and archive declarations and the announced step; their schemas, validators, publishing and reading."""
 
 from collections import Counter
 
@@ -48,7 +49,7 @@ class StartRecord(pydantic.BaseModel):
     """What a trainer of a new run starts from: its peer id and a digest of its initial parameters."""
 
     peer_id: pydantic.constr(strict=True, max_length=128)  # base58, as hivemind's state declarations name peers
-    parameters: pydantic.constr(strict=True, regex=r"^[0-9a-f]{32}$")  # see trainer.parameters_digest
+    parameters: pydantic.constr(strict=True, regex=r"^[0-9a-f]{32}$")  # see joining.parameters_digest
 
 
 class FinishedRecord(pydantic.BaseModel):
@@ -73,7 +74,7 @@ class MetricSchema(pydantic.BaseModel):
     # parameters when they are its own (the same --seed)
     start: dict[BytesWithPublicKey, StartRecord]
     # a trainer's final parameter round ended for it: the round's other peers stay up until each of them has its
-    # results, and settle on one peer's parameters if a part came back partial (trainer.TrainerPeer._end_together)
+    # results, and settle on one peer's parameters if a part came back partial (ending.Ending._end_together)
     finished: dict[BytesWithPublicKey, FinishedRecord]
     # aux peers that save the run's final model: trainers that end the run stay up until one has it
     archive: dict[BytesWithPublicKey, ArchiveRecord]

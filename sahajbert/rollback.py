@@ -1,0 +1,102 @@
+"""A trainer's last good state, and the rollback to it when its parameters or its passes go non-finite."""
+
+import copy
+import logging
+
+import torch
+
+from sahajbert.cli import UserError
+from sahajbert.hivemind_ext.optim import accessors
+from sahajbert.hivemind_ext.optim.optimizer import GuardedOptimizer
+from sahajbert.optim import is_finite
+
+# the trainer's lines keep the trainer's logger name, whichever of its parts says them: users filter on it
+logger = logging.getLogger("sahajbert.trainer")
+# dropped passes in a row, with finite parameters, that show the parameters themselves are unusable; an honest
+# fp32 model's pass is rarely non-finite at all
+DROPPED_PASSES_BEFORE_ROLLBACK = 3
+
+
+class LastGoodState:
+    """Host copies of parameters and optimizer state to roll back to: those after the last global step whose
+    parameters were finite and then gave a finite pass. Finite parameters can still be unusable: a plain mean with a
+    x1e4 peer's contribution leaves values whose every pass overflows; such a state is never the one rolled back to.
+    """
+
+    def __init__(self, optimizer: GuardedOptimizer, pending_update_timeout: float):
+        self.optimizer = optimizer
+        self.pending_update_timeout = pending_update_timeout
+        # (parameters, optimizer state, the optimizer's local state: DiLoCo's inner state, or None)
+        self.good: tuple[list[torch.Tensor], dict, dict | None] | None = None
+        self.candidate: tuple[list[torch.Tensor], dict, dict | None] | None = None  # no finite pass from it yet
+        self.dropped_in_a_row = 0
+        self.restored = False  # the state was restored and no pass from it was finite yet
+
+    def keep_or_roll_back(self) -> bool:
+        """After a global step: keep finite parameters as the next good state (True), or restore the last one."""
+        if self.parameters_finite():
+            self.save()
+            return True
+        self.roll_back(f"parameters became non-finite at step {self.optimizer.local_epoch}")
+        return False
+
+    def after_finite_pass(self) -> None:
+        """A pass from the current parameters gave a finite loss and gradients: they are good."""
+        self.dropped_in_a_row, self.restored = 0, False
+        if self.candidate is not None:
+            self.good, self.candidate = self.candidate, None
+
+    def after_dropped_pass(self) -> bool:
+        """A pass was dropped as non-finite: roll back (True) if the parameters are non-finite, or if this was the
+        DROPPED_PASSES_BEFORE_ROLLBACK-th dropped pass in a row (finite parameters that overflow every pass)."""
+        self.dropped_in_a_row += 1
+        if not self.parameters_finite():
+            self.roll_back("parameters became non-finite between global steps")
+        elif self.dropped_in_a_row >= DROPPED_PASSES_BEFORE_ROLLBACK:
+            if self.restored:  # rolling back again would restore the same state and spin
+                raise UserError(
+                    f"every pass from the last good state is non-finite too ({self.dropped_in_a_row} in a row): the "
+                    "model cannot train from it (is --learning_rate too high?)"
+                )
+            self.roll_back(f"the last {self.dropped_in_a_row} passes were all non-finite")
+        else:
+            return False
+        return True
+
+    def roll_back(self, reason: str) -> None:
+        logger.warning(f"{reason}: rolling back to the last good state")
+        # every round still running lands first: one that landed after the restore would bring the bad values back
+        accessors.apply_pending_updates(self.optimizer, self.pending_update_timeout)
+        self.restore()
+        self.candidate, self.dropped_in_a_row, self.restored = None, 0, True
+
+    def _tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        offloaded = [p for group in self.optimizer.opt.param_groups for p in group["params"]]
+        return accessors.master_parameters(self.optimizer), offloaded
+
+    def parameters_finite(self) -> bool:
+        main, offloaded = self._tensors()
+        return is_finite(main) and is_finite(offloaded)
+
+    @torch.no_grad()
+    def save(self) -> None:
+        """Keep the current state; it becomes the good one with the first finite pass from it (at once if there is
+        no good one yet: the state a peer starts from was checked when loaded)."""
+        main, _ = self._tensors()
+        parameters = [p.detach().to("cpu", copy=True) for p in main]
+        state = (parameters, copy.deepcopy(self.optimizer.opt.state_dict()), self.optimizer.local_state())
+        if self.good is None:
+            self.good = state
+        else:
+            self.candidate = state
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        parameters, optimizer_state, local_state = self.good
+        main, offloaded = self._tensors()
+        # with offload_optimizer the optimizer steps host copies of the model's parameters: both are restored
+        for saved, target, copy_ in zip(parameters, main, offloaded):
+            target.copy_(saved)
+            copy_.copy_(saved)
+        self.optimizer.opt.load_state_dict(copy.deepcopy(optimizer_state))
+        self.optimizer.restore_local_state(local_state)

@@ -248,7 +248,8 @@ def plausible_progress(
       peers once the honest trainers have averaged together. One step
       more is followed on one peer's word when `batch_full`: this peer's last read counted the step's batch (at
       least half of it), so another peer may well have started the next step's round;
-    - with three peers or more a throughput over THROUGHPUT_FACTOR x the median is capped there, and a peer's
+    - with three peers or more a throughput over THROUGHPUT_FACTOR x the median (of the peers that report one: a
+      peer that sits out reports 0) is capped there, and a peer's
       samples toward the current step at SAMPLES_SLACK x what that throughput gives over `step_seconds` (since this
       peer saw the step begin), plus a share of the batch; never more than the batch.
     """
@@ -293,8 +294,9 @@ def plausible_progress(
                 )
             )
     if len(kept) >= 3:
-        rates = sorted(r.value["samples_per_second"] for r in kept.values())
-        rate_cap = THROUGHPUT_FACTOR * rates[len(rates) // 2]
+        # the median of the peers that make samples now: one that sits out (saving a checkpoint) reports 0 samples/s
+        rates = sorted(rate for r in kept.values() if (rate := r.value["samples_per_second"]) > 0)
+        rate_cap = THROUGHPUT_FACTOR * rates[len(rates) // 2] if rates else math.inf
         share = target / len(kept)
         bounded = {}
         for subkey, record in kept.items():

@@ -320,13 +320,14 @@ class TrainerPeer(SwarmPeer):
         # save parameters with every step applied; a round in flight (DiLoCo's outer round) is awaited only at the end
         # (the checkpoint has the inner progress made since it was sent in its parameters: a resumed trainer sends
         # that progress in its next round)
-        self._apply_pending_updates(pending_wait, round_in_flight=final)
-        self.result.checkpoint = checkpoints.save_checkpoint(
-            self.output_dir,
-            self.optimizer.local_epoch,
-            self.model,
-            self.tokenizer,
-            optimizer_state=self.optimizer.state_dict(),
-            state={"loss": loss},
-            keep=self.args.training_args.keep_checkpoints,
-        )
+        with accessors.sitting_out(self.optimizer):  # seconds without a pass: the others must not count samples here
+            self._apply_pending_updates(pending_wait, round_in_flight=final)
+            self.result.checkpoint = checkpoints.save_checkpoint(
+                self.output_dir,
+                self.optimizer.local_epoch,
+                self.model,
+                self.tokenizer,
+                optimizer_state=self.optimizer.state_dict(),
+                state={"loss": loss},
+                keep=self.args.training_args.keep_checkpoints,
+            )

@@ -119,6 +119,38 @@ def test_a_trainers_passes_are_published_at_a_pace_and_a_step_change_at_once(dht
         tracker.shutdown()
 
 
+def test_a_peer_that_sits_out_says_so_and_no_reader_counts_samples_it_does_not_make(dht):
+    # a trainer that measured its pace saves a checkpoint: hivemind's readers extrapolate each record at its samples/s
+    # from when it was written, so its record as last published says the batch fills while it makes nothing (the
+    # control); within sitting_out its record says 0 samples/s at once, and a reader's estimate never comes due.
+    # Afterwards the record has the pace measured before, the time within not counted
+    tracker, counted = make_tracker(compat.BoundedProgressTracker, dht, "sitting-out")
+    reader = ProgressTracker(dht=dht, prefix="sitting-out-reader", target_batch_size=10_000, start=False)
+    try:
+        for done in range(1, PASSES + 1):
+            tracker.report_local_progress(0, 8 * done)
+            time.sleep(PASS_SECONDS)  # a pass's compute
+        wait_for(lambda: published(dht, tracker) == (0, 8 * PASSES), 30, "the last pass's samples")
+        pace = tracker.performance_ema.samples_per_second
+        assert own_record(dht, tracker)["samples_per_second"] == pytest.approx(pace)
+        control = reader._parse_swarm_progress_data(dht.get(tracker.training_progress_key, latest=True).value)
+        assert control.eta_next_epoch - get_dht_time() < 10_000 / pace, "the control's estimate comes due"
+        with tracker.sitting_out():
+            wait_for(lambda: own_record(dht, tracker)["samples_per_second"] == 0.0, 30, "the record saying it")
+            assert own_record(dht, tracker)["samples_accumulated"] == 8 * PASSES
+            view = reader._parse_swarm_progress_data(dht.get(tracker.training_progress_key, latest=True).value)
+            assert view.samples_accumulated == 8 * PASSES and view.eta_next_epoch - get_dht_time() > 10**9
+        wait_for(lambda: own_record(dht, tracker)["samples_per_second"] > 0.0, 30, "the record with its pace again")
+        assert own_record(dht, tracker)["samples_per_second"] == pytest.approx(pace)
+    finally:
+        tracker.shutdown()
+
+
+def own_record(dht, tracker) -> dict:
+    """The tracker's own record as the DHT holds it."""
+    return dht.get(tracker.training_progress_key, latest=True).value[tracker._local_public_key].value
+
+
 def published(dht, tracker) -> tuple[int, int] | None:
     """(step, samples) of the tracker's own record as the DHT holds it; None if it holds none."""
     found = dht.get(tracker.training_progress_key, latest=True)

@@ -315,6 +315,19 @@ def test_inflated_samples_and_throughput_are_capped():
     assert any("invalid" in note for note, _ in notes)
 
 
+def test_peers_that_sit_out_do_not_cap_the_one_that_makes_samples():
+    # two of three trainers save a checkpoint (their records say 0 samples/s): the throughput cap is the median of the
+    # peers that make samples, not 0, so the third's samples toward the step all count, and nothing is said of it
+    claims = {
+        b"a": record(b"a", 1, samples=0, rate=0.0),
+        b"b": record(b"b", 1, samples=0, rate=0.0),
+        b"c": record(b"c", 1, samples=60, rate=30.0),
+    }
+    kept, notes = plausible_progress(claims, own_peer=b"a", own_epoch=1, target=96, step_seconds=2.0)
+    assert kept[b"c"].value["samples_accumulated"] == 60 and kept[b"c"].value["samples_per_second"] == 30.0
+    assert notes == []
+
+
 def test_a_hostile_peer_in_a_pair_cannot_take_over_the_parameters():
     # two real state averagers on loopback, one holding x1e4 parameters: the honest peer's reducer bounds that
     # contribution to its own part, and the x1e4 average the other reducer returns is refused by the honest receiver

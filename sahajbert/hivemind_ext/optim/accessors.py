@@ -2,6 +2,7 @@
 API (the swarm's progress, the state averager, the pre-scheduled rounds). Each function says what it relies on.
 """
 
+import contextlib
 import math
 import re
 import time
@@ -162,6 +163,13 @@ ROUND_LOGGERS = ("hivemind.optim.optimizer", "hivemind.optim.state_averager")
 def own_samples_per_second(optimizer: hivemind.Optimizer) -> float:
     """This peer's throughput as hivemind measures it (`tracker.performance_ema.samples_per_second`)."""
     return float(optimizer.tracker.performance_ema.samples_per_second)
+
+
+def sitting_out(optimizer: hivemind.Optimizer):
+    """A context within which this peer's progress record says it makes no samples
+    (`BoundedProgressTracker.sitting_out`; with hivemind's own tracker, nothing)."""
+    tracker = optimizer.tracker
+    return tracker.sitting_out() if isinstance(tracker, BoundedProgressTracker) else contextlib.nullcontext()
 
 
 def report_step(optimizer: hivemind.Optimizer, step: int) -> None:

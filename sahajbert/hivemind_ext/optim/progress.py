@@ -160,6 +160,25 @@ class BoundedProgressTracker(ProgressTracker):
         finally:
             self.should_report_progress.held = False
 
+    @contextlib.contextmanager
+    def sitting_out(self):
+        """Within: this peer makes no samples (it waits for a background update, saves a checkpoint), and its record
+        says so at once with 0 samples/s. hivemind's peers extrapolate every record at its samples/s from the time it
+        was written (`_parse_swarm_progress_data`), so a peer that sits out would still be counted making samples:
+        the swarm's step came early on samples nobody made (in the aux test's swarm, every other global step held 16
+        of 384 samples while both trainers saved a checkpoint, and a peer that steps whenever the estimate is due, the
+        assisting aux peer, started it). The measured pace is kept for afterwards: the time within is not counted."""
+        record = self.local_progress
+        self.local_progress = record.copy(update=dict(samples_per_second=0.0, time=get_dht_time()))
+        self.should_report_progress.set()
+        try:
+            yield
+        finally:
+            current = self.local_progress  # a step change within keeps its own record, at this peer's measured pace
+            self.performance_ema.reset_timer()
+            self.local_progress = self._get_local_progress(current.epoch, current.samples_accumulated)
+            self.should_report_progress.set()
+
     def report_local_progress(self, local_epoch: int, samples_accumulated: int, update_global_samples: bool = True):
         """hivemind's, with the samples that a pass adds to this step published at a pace (REPORT_PACE_SECONDS); a step
         change or a reset is published at once. hivemind publishes every report, i.e. after every pass (about 5 a

@@ -10,7 +10,15 @@ from sahajbert.adaptive import Timing
 from sahajbert.hivemind_ext.optim import accessors
 from sahajbert.peer_context import PeerContext
 from sahajbert.signals import StopRequest
-from sahajbert.stopping import FinalRound, joins_last_step, last_step_is_next, settle, should_settle, should_stop
+from sahajbert.stopping import (
+    FRESH_READ_TIMEOUT,
+    FinalRound,
+    joins_last_step,
+    last_step_is_next,
+    settle,
+    should_settle,
+    should_stop,
+)
 
 # the trainer's lines keep the trainer's logger name, whichever of its parts says them: users filter on it
 logger = logging.getLogger("sahajbert.trainer")
@@ -56,6 +64,12 @@ class Ending:
             timeout = SETTLE_MATCHMAKING_TIMES * self.timing.matchmaking_time
             accessors.settle_gradient_round(self.optimizer, timeout, interrupted=lambda: bool(stop))
             position = accessors.position(self.optimizer)  # settling changed the round's stage
+        if should_stop(position, max_steps) and position.local_step < max_steps:
+            # stopping on the other peers' word: only on a fresh read. The last one may predate this peer's last
+            # round, which changes whom it counts (peers vouched for, peers left out): on such a view both honest
+            # trainers of the outsider test saw the swarm at --max_steps after their first step, and ended there
+            self.optimizer.read_progress_now(FRESH_READ_TIMEOUT)
+            position = accessors.position(self.optimizer)
         return should_stop(position, max_steps)
 
     def before_step(self) -> None:

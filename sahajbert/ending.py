@@ -66,8 +66,7 @@ class Ending:
             position = accessors.position(self.optimizer)  # settling changed the round's stage
         if should_stop(position, max_steps) and position.local_step < max_steps:
             # stopping on the other peers' word: only on a fresh read. The last one may predate this peer's last
-            # round, which changes whom it counts (peers vouched for, peers left out): on such a view both honest
-            # trainers of the outsider test saw the swarm at --max_steps after their first step, and ended there
+            # round, which changes whom it counts (peers vouched for, peers left out), and a stop cannot be undone
             self.optimizer.read_progress_now(FRESH_READ_TIMEOUT)
             position = accessors.position(self.optimizer)
         return should_stop(position, max_steps)

@@ -164,12 +164,10 @@ class BoundedProgressTracker(ProgressTracker):
     def sitting_out(self):
         """Within: this peer makes no samples (it waits for a background update, saves a checkpoint), and its record
         says so at once with 0 samples/s. hivemind's peers extrapolate every record at its samples/s from the time it
-        was written (`_parse_swarm_progress_data`), so a peer that sits out would still be counted making samples:
-        the swarm's step came early on samples nobody made (in the aux test's swarm, every other global step held 16
-        of 384 samples while both trainers saved a checkpoint, and a peer that steps whenever the estimate is due, the
-        assisting aux peer, started it). The measured pace is kept for afterwards: the time within is not counted."""
-        record = self.local_progress
-        self.local_progress = record.copy(update=dict(samples_per_second=0.0, time=get_dht_time()))
+        was written (`_parse_swarm_progress_data`), so a peer that sits out would still be counted making samples,
+        and a peer that steps when that estimate comes due (an assisting aux peer) would start a step on samples
+        nobody made. The measured pace is kept for afterwards: the time within is not counted."""
+        self.local_progress = self.local_progress.copy(update=dict(samples_per_second=0.0, time=get_dht_time()))
         self.should_report_progress.set()
         try:
             yield

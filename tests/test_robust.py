@@ -362,6 +362,50 @@ def test_a_hostile_peer_in_a_pair_cannot_take_over_the_parameters():
                 optimizer.state_averager.shutdown()
 
 
+def test_a_reducer_whose_averages_do_not_come_back_is_named_with_the_reason(tmp_path):
+    # two real state averagers on loopback: A reduces every part (B is a client), and B waits 1 us for A's averages
+    # (no reply crosses two p2p daemons that fast): B keeps its own values, and its log names A and the timeout
+    import logging
+    from types import SimpleNamespace
+
+    from sahajbert import hivemind_ext as compat
+    from sahajbert.stopping import FINAL_GROUP_BITS
+
+    log = logging.getLogger("sahajbert.hivemind_ext.averaging.allreduce")
+    handler, level = logging.FileHandler(tmp_path / "averagers.log"), log.level
+    log.addHandler(handler)  # the averagers' processes, forked below, write their lines here
+    log.setLevel(logging.INFO)
+    start = torch.randn(20000, generator=torch.Generator().manual_seed(0))
+    peers = []
+    try:
+        with loopback_dhts(2) as dhts:
+            try:
+                b_options = {"client_mode": True, "sender_timeout": 1e-7, "reducer_timeout": 1e-6}
+                for dht, options in zip(dhts, ({}, b_options)):
+                    parameters = [torch.nn.Parameter(start.clone())]
+                    averager = sgd_state_averager(dht, parameters, "slow_reply", **options)
+                    optimizer = SimpleNamespace(local_epoch=0, scheduled_state=None, scheduled_grads=None)
+                    optimizer.round_in_flight, optimizer.finish_round_in_flight = False, lambda timeout: None
+                    optimizer.state_averager = averager
+                    peers.append(optimizer)
+                rounds = [compat.start_parameter_round(opt, FINAL_GROUP_BITS, 60, 120, group_size=2) for opt in peers]
+                # B's round (A's waits for the parts B stopped sending, up to its timeout: not this test's concern)
+                assert len(rounds[1].result(timeout=60)) == 2
+                a, b = peers
+                assert compat.apply_pending_updates(b, timeout=30)
+                lines = (tmp_path / "averagers.log").read_text()
+                assert compat.partial_rounds(b) == 1, lines
+                assert f"no average came back from {a.state_averager.peer_id}" in lines, lines
+                assert "TimeoutError" in lines and "this peer kept its own values there" in lines, lines
+            finally:
+                for optimizer in peers:
+                    optimizer.state_averager.shutdown()
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+        handler.close()
+
+
 def test_a_peer_left_out_leads_no_group_of_this_peer():
     # two real state averagers on loopback; A leaves B out from the start. B's wait ends first, which makes it the
     # leader hivemind's matchmaking would have A follow: A does not ask it, and B cannot join A (A refuses it as its

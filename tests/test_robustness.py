@@ -97,10 +97,13 @@ def wait_all(peers: list[PeerProcess], timeout: float) -> None:
 
 
 def ending_lines(output: str) -> str:
-    """A peer's lines from its last global step on (what a failed check of a run's end needs), at most 40."""
+    """A peer's lines from the start of its last global step's report on, or of its final round if it made one
+    (what a failed check of a run's end needs), at most 60."""
     lines = output.splitlines()
-    last = max((i for i, line in enumerate(lines) if " global step " in line), default=0)
-    return "\n".join(lines[last:][-40:])
+    marks = ("global step ", "averaging parameters with the peers that finish")
+    starts = [i for i, line in enumerate(lines) if any(mark in line for mark in marks) and "stopped at" not in line]
+    last = max(starts, default=0)
+    return "\n".join(lines[last:][-60:])
 
 
 def weights(output_dir):
@@ -109,6 +112,10 @@ def weights(output_dir):
 
 def left_out(peer_id: str) -> str:
     return f"peer {peer_id} is left out of this peer's averaging"
+
+
+def no_average_from(peer_id: str) -> str:
+    return f"no average came back from {peer_id}"
 
 
 class Attacks:
@@ -223,7 +230,10 @@ def test_a_misbehaving_peer_cannot_poison_the_run(tmp_path):
         ends = "\n\n".join(ending_lines(out) for out in [*outputs, final_liar.output()])
         assert all("final parameters averaged by 3 peers" in out for out in outputs), ends
         assert all(re.search(r"Averaging: received [\d.]+% results", out) for out in outputs), "partial, for both"
-        assert all(left_out(liar_id) in out for out in outputs), ends
+        # each honest trainer refused the liar's averages, or none came back to it (the liar, reducing nearly every
+        # part, waits for both honest trainers' parts: on a loaded machine one exchange can time out first); either
+        # way it kept its own values there
+        assert all(left_out(liar_id) in out or no_average_from(liar_id) in out for out in outputs), ends
         took = [out for out in outputs if "this peer took the parameters of peer" in out]
         assert len(took) == 1, [out[-2000:] for out in outputs]
         reference_dirs = [tmp_path / "reference" / f"h{i}" for i in range(2)]

@@ -148,7 +148,17 @@ class RobustAllReduceRunner(AllReduceRunner):
         if peer_id in self.distrusted and peer_id != self.peer_id:
             self.tensor_part_container.register_failed_reducer(self.ordered_peer_ids.index(peer_id))
             return
-        await super()._communicate_with_peer(peer_id)
+        try:
+            await super()._communicate_with_peer(peer_id)
+        except Exception as error:
+            # hivemind says only how much came back ("received N% results") and logs why at debug level: a user
+            # reading a partial round needs the reducer and the reason (an implausible average says so already)
+            if peer_id not in self.distrusted:
+                logger.info(
+                    f"no average came back from {peer_id} for its parts of an averaging round of {self._prefix} "
+                    f"({error!r}); this peer kept its own values there"
+                )
+            raise
 
     def finalize(self, *, cancel: bool = False, exception: BaseException | None = None):
         reducer = self.tensor_part_reducer

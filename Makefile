@@ -16,7 +16,7 @@ export WANDB_MODE ?= offline
 WORKERS ?= 3
 PYTEST_WORKERS := -n $(WORKERS) --dist loadscope --no-loadscope-reorder
 
-.PHONY: venv venv-tpu test test-fast test-scale lint demo bench clean
+.PHONY: venv venv-tpu test test-fast test-scale lint demo bench gpu-check clean
 
 # the package installs editable (pip install -e .): scripts, tests and benchmarks import `sahajbert` from anywhere
 $(BIN)/.installed: requirements.txt requirements-dev.txt pyproject.toml
@@ -63,6 +63,12 @@ test-scale: venv
 # the demo's flags can be added for a run of another size: make demo DEMO_FLAGS="--max_steps 3"
 demo: venv
 	$(BIN)/python run_local_swarm.py $(DEMO_FLAGS)
+
+# on a CUDA machine, fresh: .venv with PyPI's torch (a CUDA build), then the checks only a GPU runs, in one table
+# (benchmarks/gpu_check.py; about 10 minutes)
+gpu-check:
+	$(MAKE) venv TORCH="torch>=2.4,<2.15"
+	$(BIN)/python benchmarks/gpu_check.py
 
 bench: venv
 	$(BIN)/python benchmarks/bench_data.py

@@ -21,6 +21,12 @@ class LastGoodState:
     """Host copies of parameters and optimizer state to roll back to: those after the last global step whose
     parameters were finite and then gave a finite pass. Finite parameters can still be unusable: a plain mean with a
     x1e4 peer's contribution leaves values whose every pass overflows; such a state is never the one rolled back to.
+
+    One copy is kept, overwritten in place: a global step's state is copied only once a pass from it was finite
+    (`after_finite_pass`), not when the step ends, so that the copy of the last good state never has to sit beside a
+    copy of a state not yet trusted (with LAMB, 3 copies of the parameters each: the parameters and two moments).
+    Nothing changes the parameters between the end of a global step and the pass after it but an update that was
+    pending, which that pass then checked too.
     """
 
     def __init__(self, optimizer: GuardedOptimizer, pending_update_timeout: float):
@@ -28,7 +34,7 @@ class LastGoodState:
         self.pending_update_timeout = pending_update_timeout
         # (parameters, optimizer state, the optimizer's local state: DiLoCo's inner state, or None)
         self.good: tuple[list[torch.Tensor], dict, dict | None] | None = None
-        self.candidate: tuple[list[torch.Tensor], dict, dict | None] | None = None  # no finite pass from it yet
+        self.untrusted = False  # a global step's finite state waits for a finite pass to become the good one
         self.dropped_in_a_row = 0
         self.restored = False  # the state was restored and no pass from it was finite yet
 
@@ -43,8 +49,9 @@ class LastGoodState:
     def after_finite_pass(self) -> None:
         """A pass from the current parameters gave a finite loss and gradients: they are good."""
         self.dropped_in_a_row, self.restored = 0, False
-        if self.candidate is not None:
-            self.good, self.candidate = self.candidate, None
+        if self.untrusted:
+            self._copy()
+            self.untrusted = False
 
     def after_dropped_pass(self) -> bool:
         """A pass was dropped as non-finite: roll back (True) if the parameters are non-finite, or if this was the
@@ -68,7 +75,7 @@ class LastGoodState:
         # every round still running lands first: one that landed after the restore would bring the bad values back
         accessors.apply_pending_updates(self.optimizer, self.pending_update_timeout)
         self.restore()
-        self.candidate, self.dropped_in_a_row, self.restored = None, 0, True
+        self.untrusted, self.dropped_in_a_row, self.restored = False, 0, True
 
     def _tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         offloaded = [p for group in self.optimizer.opt.param_groups for p in group["params"]]
@@ -78,17 +85,28 @@ class LastGoodState:
         main, offloaded = self._tensors()
         return is_finite(main) and is_finite(offloaded)
 
-    @torch.no_grad()
     def save(self) -> None:
         """Keep the current state; it becomes the good one with the first finite pass from it (at once if there is
         no good one yet: the state a peer starts from was checked when loaded)."""
-        main, _ = self._tensors()
-        parameters = [p.detach().to("cpu", copy=True) for p in main]
-        state = (parameters, copy.deepcopy(self.optimizer.opt.state_dict()), self.optimizer.local_state())
         if self.good is None:
-            self.good = state
+            self._copy()
         else:
-            self.candidate = state
+            self.untrusted = True
+
+    @torch.no_grad()
+    def _copy(self) -> None:
+        """Copy the current state into `good`, into its tensors where it has them."""
+        main, _ = self._tensors()
+        if self.good is None:
+            parameters = [p.detach().to("cpu", copy=True) for p in main]
+            self.good = (parameters, copy.deepcopy(self.optimizer.opt.state_dict()), self.optimizer.local_state())
+            return
+        parameters, optimizer_state, _ = self.good
+        for saved, p in zip(parameters, main):
+            saved.copy_(p.detach())
+        state = _copied_into(optimizer_state, self.optimizer.opt.state_dict())
+        self.good = (parameters, state, None)  # the old local state is freed before its new copy is made
+        self.good = (parameters, state, self.optimizer.local_state())
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -100,3 +118,19 @@ class LastGoodState:
             copy_.copy_(saved)
         self.optimizer.opt.load_state_dict(copy.deepcopy(optimizer_state))
         self.optimizer.restore_local_state(local_state)
+
+
+def _copied_into(kept, current):
+    """`current` (an optimizer's state dict) copied into `kept`'s tensors where the two have the same structure and
+    shapes (no new memory), else a deep copy of it."""
+    if isinstance(current, torch.Tensor):
+        if isinstance(kept, torch.Tensor) and kept.shape == current.shape and kept.dtype == current.dtype:
+            return kept.copy_(current)
+        return current.detach().clone()
+    if isinstance(current, dict):
+        kept = kept if isinstance(kept, dict) else {}
+        return {key: _copied_into(kept.get(key), value) for key, value in current.items()}
+    if isinstance(current, list | tuple):
+        kept = kept if isinstance(kept, list | tuple) and len(kept) == len(current) else [None] * len(current)
+        return type(current)(_copied_into(k, v) for k, v in zip(kept, current))
+    return copy.deepcopy(current)

@@ -304,6 +304,36 @@ def test_finite_parameters_that_overflow_every_pass_roll_back_to_the_last_state_
         good.after_dropped_pass()
 
 
+def test_the_last_good_state_is_one_copy_overwritten_once_a_pass_from_a_new_state_is_finite(lonely_optimizer):
+    from sahajbert.hivemind_ext.optim import accessors
+    from sahajbert.rollback import LastGoodState
+
+    model, optimizer = lonely_optimizer
+
+    def train_to(step: int) -> None:
+        for _ in range(30):  # a step waits for the swarm's count of samples: a few mini-steps each
+            if optimizer.local_epoch >= step:
+                return
+            train_one_batch(model, optimizer)
+        raise AssertionError(f"no global step {step} in 30 mini-steps")
+
+    train_to(1)  # the optimizer has its moments
+    good = LastGoodState(optimizer, pending_update_timeout=10.0)
+    good.save()
+    kept_parameters, kept_state, _ = good.good
+    moments = [t for state in kept_state["state"].values() for t in state.values() if isinstance(t, torch.Tensor)]
+    addresses = [t.data_ptr() for t in [*kept_parameters, *moments]]
+    first = [t.clone() for t in kept_parameters]
+    train_to(2)
+    assert good.keep_or_roll_back()
+    # not yet trusted: the copy still holds the state it had, and no second copy was made
+    assert all(torch.equal(a, b) for a, b in zip(first, good.good[0]))
+    good.after_finite_pass()
+    assert all(torch.equal(a, b.detach()) for a, b in zip(good.good[0], accessors.master_parameters(optimizer)))
+    moments = [t for state in good.good[1]["state"].values() for t in state.values() if isinstance(t, torch.Tensor)]
+    assert [t.data_ptr() for t in [*good.good[0], *moments]] == addresses, "copied into the same tensors"
+
+
 def test_checkpoints_are_atomic_and_pruned(tmp_path, tokenizer):
     model = build_model("tiny", tokenizer, seed=0)
     for step in (1, 2, 3, 4):

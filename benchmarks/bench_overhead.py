@@ -215,8 +215,9 @@ def measure(args, model: str, mode: str, workdir: Path, plain: float, plain_memo
         "plain_peak_pss_mib": plain_memory.peak / 2**20,
         "trainer_peak_pss_mib": trainer_memory.peak / 2**20,
         "memory_ratio": trainer_memory.peak / plain_memory.peak,
-        "plain_peak_gpu_mib": plain_memory.gpu_peak / 2**20,
-        "trainer_peak_gpu_mib": trainer_memory.gpu_peak / 2**20,
+        # None where nothing was read (no GPU; or nvidia-smi reports the pids of another namespace, in a container)
+        "plain_peak_gpu_mib": plain_memory.gpu_peak / 2**20 or None,
+        "trainer_peak_gpu_mib": trainer_memory.gpu_peak / 2**20 or None,
         # at the trainer's peak: each role's processes, PSS and private MiB
         "trainer_parts": {
             name: {

@@ -2,18 +2,20 @@
 """The GPU check: the paths only a CUDA machine runs, in one prepared run of a few minutes that prints one table.
 
     make gpu-check                      # on a CUDA machine: builds .venv with PyPI's CUDA torch, then runs this
-    python benchmarks/gpu_check.py      # with an environment that has the requirements
+    python benchmarks/gpu_check.py      # in an environment with the requirements and this package (pip install -e
+                                        # ., or PYTHONPATH=<this checkout>)
 
 1. the device: torch's CUDA build, the GPU, its compute capability and memory;
 2. fp16: two trainers of the tiny model share the GPU, in fp16 (hivemind's GradScaler) with --clip_gradients local,
    make --max_steps global steps together and end with the same parameters;
-3. DiLoCo in bf16: two trainers, --diloco_inner_steps, the same;
+3. DiLoCo in bf16 (fp32 on a GPU older than Ampere): two trainers, --diloco_inner_steps, the same (DiLoCo takes no
+   fp16 loss scaler);
 4. the overhead: benchmarks/bench_overhead.py on the GPU (sahajbert and sahajbert-xl at sequence 512, data parallel
-   and DiLoCo), a trainer alone against a plain loop, host and GPU memory.
+   in fp16 and DiLoCo in the precision of check 3), a trainer alone against a plain loop, host and GPU memory.
 
-`--device cpu` runs the same checks on the CPU in fp32 (fp16 needs CUDA), with the tiny model in step 4: the test
-suite runs it so (`make test-scale`), so that the script works the day a GPU is at hand. Exit status 0 when every
-check passed.
+`--device cpu` runs the same checks on the CPU, in fp32 where the GPU runs fp16 (fp16 needs CUDA) and with the tiny
+model in step 4: the test suite runs it so (`make test-scale`), so that the script works the day a GPU is at hand.
+Exit status 0 when every check passed.
 """
 
 import argparse
@@ -26,7 +28,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # also with the package not installed (a GPU machine's own Python, its wheels carried)
 
 # a swarm check's global steps, and its trainers' batch: small, so that both checks take a minute or two
 SWARM_STEPS = 3
@@ -38,7 +39,7 @@ def device_row(device: str) -> tuple[bool, str]:
     import torch
 
     if device == "cpu":
-        return True, f"torch {torch.__version__}, CPU (the CUDA checks run as on a GPU, in fp32)"
+        return True, f"torch {torch.__version__}, CPU (the checks a GPU runs in fp16 run in fp32)"
     if not torch.cuda.is_available():
         return False, f"torch {torch.__version__} sees no CUDA GPU (CUDA build: {torch.version.cuda})"
     props = torch.cuda.get_device_properties(0)
@@ -89,8 +90,16 @@ def swarm_row(workdir: Path, name: str, device: str, precision: str, extra: dict
     )
 
 
+def diloco_precision(device: str) -> str:
+    """bf16 where the device computes in it (the CPU, CUDA from Ampere on), else fp32."""
+    import torch
+
+    return "bf16" if device == "cpu" or torch.cuda.get_device_capability(0) >= (8, 0) else "fp32"
+
+
 def overhead_row(workdir: Path, device: str, quick: bool, timeout: float) -> tuple[bool, str, list]:
-    """bench_overhead.py on this device; the row says each model's and mode's ratios."""
+    """bench_overhead.py on this device, data parallel in fp16 (the CPU: fp32) and DiLoCo in `diloco_precision`
+    (the CPU: fp32, as the plain loop there); the row says each model's and mode's ratios."""
     import subprocess
 
     if quick:
@@ -99,17 +108,27 @@ def overhead_row(workdir: Path, device: str, quick: bool, timeout: float) -> tup
         # seq 512 as the 2021 runs trained; batches a GPU of 16 GB or more holds in fp16
         flags = ["--models", "sahajbert", "sahajbert-xl", "--max_seq_length", "512", "--batch_size", "16"]
         flags += ["--passes_per_step", "2", "--steps", "4"]
-    precision = "fp16" if device == "cuda" else "fp32"
-    output = workdir / "overhead.json"
-    command = [sys.executable, str(REPO / "benchmarks" / "bench_overhead.py"), *flags, "--device", device]
-    command += ["--precision", precision, "--output_json", str(output)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-    if done.returncode != 0:
-        return False, "bench_overhead.py failed: " + " | ".join(done.stderr.strip().splitlines()[-3:]), []
-    rows = json.loads(output.read_text())
+    runs = [("dp", "fp16"), ("diloco", diloco_precision(device))] if device == "cuda" else [("dp diloco", "fp32")]
+    rows = []
+    for modes, precision in runs:
+        output = workdir / f"overhead-{precision}.json"
+        command = [sys.executable, str(REPO / "benchmarks" / "bench_overhead.py"), *flags, "--device", device]
+        command += ["--modes", *modes.split(), "--precision", precision, "--output_json", str(output)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        if done.returncode != 0:
+            return False, "bench_overhead.py failed: " + " | ".join(done.stderr.strip().splitlines()[-3:]), rows
+        rows += [{**row, "precision": precision} for row in json.loads(output.read_text())]
+
+    def gpu(row: dict) -> str:
+        if device != "cuda":
+            return ""
+        if row["trainer_peak_gpu_mib"] is None:  # nvidia-smi reports other pids in some containers
+            return ", GPU memory not read"
+        return f", GPU {row['trainer_peak_gpu_mib']:.0f}/{row['plain_peak_gpu_mib']:.0f} MiB"
+
     text = "; ".join(
-        f"{r['model']} {r['mode']}: {r['throughput_ratio']:.2f}x samples/s, {r['memory_ratio']:.2f}x host memory"
-        + (f", GPU {r['trainer_peak_gpu_mib']:.0f}/{r['plain_peak_gpu_mib']:.0f} MiB" if device == "cuda" else "")
+        f"{r['model']} {r['mode']} {r['precision']}: {r['throughput_ratio']:.2f}x samples/s, "
+        f"{r['memory_ratio']:.2f}x host memory{gpu(r)}"
         for r in rows
     )
     return True, text, rows
@@ -142,8 +161,9 @@ def main(argv=None) -> int:
             record(f"two trainers, {fp16}, local clipping", passed, result, began)
             began = time.monotonic()
             diloco = {"diloco_inner_steps": DILOCO_INNER_STEPS}
-            passed, result = swarm_row(workdir, "diloco", args.device, "bf16", diloco, args.timeout)
-            record("two DiLoCo trainers, bf16", passed, result, began)
+            precision = diloco_precision(args.device)
+            passed, result = swarm_row(workdir, "diloco", args.device, precision, diloco, args.timeout)
+            record(f"two DiLoCo trainers, {precision}", passed, result, began)
             began = time.monotonic()
             passed, result, overhead = overhead_row(workdir, args.device, args.quick, 6 * args.timeout)
             record("trainer alone vs plain loop", passed, result, began, rows=overhead)

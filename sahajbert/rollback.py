@@ -25,8 +25,10 @@ class LastGoodState:
     One copy is kept, overwritten in place: a global step's state is copied only once a pass from it was finite
     (`after_finite_pass`), not when the step ends, so that the copy of the last good state never has to sit beside a
     copy of a state not yet trusted (with LAMB, 3 copies of the parameters each: the parameters and two moments).
-    Nothing changes the parameters between the end of a global step and the pass after it but an update that was
-    pending, which that pass then checked too.
+    With delayed updates the optimizer steps its state in the background and the parameters take that step only at
+    a later `step()`: the copy waits for a finite pass with no update pending, so that it never pairs checked
+    parameters with optimizer state half-way through (or one step past) them, and it skips optimizer state that is
+    not finite. A run in which every pass has an update pending (a global step every pass) keeps an older good state.
     """
 
     def __init__(self, optimizer: GuardedOptimizer, pending_update_timeout: float):
@@ -49,9 +51,8 @@ class LastGoodState:
     def after_finite_pass(self) -> None:
         """A pass from the current parameters gave a finite loss and gradients: they are good."""
         self.dropped_in_a_row, self.restored = 0, False
-        if self.untrusted:
-            self._copy()
-            self.untrusted = False
+        if self.untrusted and not accessors.has_pending_updates(self.optimizer, round_in_flight=False):
+            self.untrusted = not self._copy()
 
     def after_dropped_pass(self) -> bool:
         """A pass was dropped as non-finite: roll back (True) if the parameters are non-finite, or if this was the
@@ -89,24 +90,31 @@ class LastGoodState:
         """Keep the current state; it becomes the good one with the first finite pass from it (at once if there is
         no good one yet: the state a peer starts from was checked when loaded)."""
         if self.good is None:
-            self._copy()
+            self.untrusted = not self._copy()
         else:
             self.untrusted = True
 
     @torch.no_grad()
-    def _copy(self) -> None:
-        """Copy the current state into `good`, into its tensors where it has them."""
+    def _copy(self) -> bool:
+        """Copy the current state into `good`, into its tensors where it has them; False (nothing copied) if the
+        optimizer's state is not finite and there is a good state already (the first one, the state a peer starts
+        from, was checked when loaded)."""
         main, _ = self._tensors()
+        live = self.optimizer.opt.state_dict()
+        moments = (t for state in live["state"].values() for t in state.values() if torch.is_tensor(t))
+        if self.good is not None and not is_finite(moments):
+            return False
         if self.good is None:
             parameters = [p.detach().to("cpu", copy=True) for p in main]
-            self.good = (parameters, copy.deepcopy(self.optimizer.opt.state_dict()), self.optimizer.local_state())
-            return
+            self.good = (parameters, copy.deepcopy(live), self.optimizer.local_state())
+            return True
         parameters, optimizer_state, _ = self.good
         for saved, p in zip(parameters, main):
             saved.copy_(p.detach())
-        state = _copied_into(optimizer_state, self.optimizer.opt.state_dict())
+        state = _copied_into(optimizer_state, live)
         self.good = (parameters, state, None)  # the old local state is freed before its new copy is made
         self.good = (parameters, state, self.optimizer.local_state())
+        return True
 
     @torch.no_grad()
     def restore(self) -> None:

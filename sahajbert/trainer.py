@@ -211,11 +211,14 @@ class TrainerPeer(SwarmPeer):
         self.good_state.after_finite_pass()
         training_args = self.args.training_args
         if training_args.clip_gradients == "local" and training_args.max_grad_norm:
-            # each peer's own pass, before the swarm averages it (as DeDLOC's trainer clipped through the HF Trainer);
-            # with fp16 the gradients are unscaled first, so that the norm is the true one
-            if self.compute.scaler is not None:
-                self.compute.scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), training_args.max_grad_norm)
+            # each peer's own pass, before the swarm averages it (as DeDLOC's trainer clipped through the HF Trainer).
+            # With fp16, hivemind's scaler unscales only inside a global step; elsewhere it checks for infinities and
+            # leaves the pass's gradients multiplied by the loss scale (unscale_ says False): the bound is scaled too,
+            # so that the true norm is what is bounded
+            max_norm = training_args.max_grad_norm
+            if self.compute.scaler is not None and not self.compute.scaler.unscale_(self.optimizer):
+                max_norm *= self.compute.scaler.get_scale()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         return pass_loss
 
     def _step(self, pass_loss: float) -> bool:

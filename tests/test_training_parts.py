@@ -136,10 +136,16 @@ def test_lr_schedule_shape():
 
 
 def lonely_lockstep(
-    tokenizer, run_id: str, target_batch_size: int = 8, averaging_timeout: float | None = None, timing=None
+    tokenizer,
+    run_id: str,
+    target_batch_size: int = 8,
+    averaging_timeout: float | None = None,
+    timing=None,
+    delayed: bool = False,
 ):
-    """A real hivemind.Optimizer in lockstep mode alone in its swarm, from the trainer's factory, and its DHT
-    (`timing`: sahajbert.adaptive's plan, as the trainer passes it; None: planned by the factory)."""
+    """A real hivemind.Optimizer in lockstep mode (`delayed`: with delayed updates, the trainer's default) alone in
+    its swarm, from the trainer's factory, and its DHT (`timing`: sahajbert.adaptive's plan, as the trainer passes
+    it; None: planned by the factory)."""
     import hivemind
 
     from sahajbert.optim import build_collaborative_optimizer
@@ -150,7 +156,7 @@ def lonely_lockstep(
         swarm_args=SwarmArguments(run_id=run_id),
         averaging_args=AveragingArguments(matchmaking_time=1.0, averaging_timeout=averaging_timeout),
         optimizer_args=CollaborativeOptimizerArguments(
-            target_batch_size=target_batch_size, delay_optimizer_step=False, delay_grad_averaging=False
+            target_batch_size=target_batch_size, delay_optimizer_step=delayed, delay_grad_averaging=delayed
         ),
         training_args=LocalTrainingArguments(
             per_device_train_batch_size=4, learning_rate=0.01, warmup_steps=4, total_steps=100
@@ -324,14 +330,53 @@ def test_the_last_good_state_is_one_copy_overwritten_once_a_pass_from_a_new_stat
     moments = [t for state in kept_state["state"].values() for t in state.values() if isinstance(t, torch.Tensor)]
     addresses = [t.data_ptr() for t in [*kept_parameters, *moments]]
     first = [t.clone() for t in kept_parameters]
+    first_moments = [t.clone() for t in moments]
     train_to(2)
+    assert not all(torch.equal(a, b.detach()) for a, b in zip(first, accessors.master_parameters(optimizer)))
     assert good.keep_or_roll_back()
-    # not yet trusted: the copy still holds the state it had, and no second copy was made
+    # not yet trusted: the copy still holds the state it had (training did not write into it), and no second copy
     assert all(torch.equal(a, b) for a, b in zip(first, good.good[0]))
+    assert all(torch.equal(a, b) for a, b in zip(first_moments, moments))
     good.after_finite_pass()
     assert all(torch.equal(a, b.detach()) for a, b in zip(good.good[0], accessors.master_parameters(optimizer)))
+    live = optimizer.opt.state_dict()["state"]
+    for index, state in good.good[1]["state"].items():
+        for name, value in state.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(live[index][name])), (index, name)
     moments = [t for state in good.good[1]["state"].values() for t in state.values() if isinstance(t, torch.Tensor)]
     assert [t.data_ptr() for t in [*good.good[0], *moments]] == addresses, "copied into the same tensors"
+    assert not any(
+        t.data_ptr() == m.data_ptr() for t in moments for s in live.values() for m in s.values() if torch.is_tensor(m)
+    ), "the copy shares no tensor with the live optimizer"
+
+
+def test_with_delayed_updates_the_good_state_is_copied_only_once_no_update_is_pending(tokenizer):
+    # the optimizer steps its state in the background and the parameters take that step at a later step(): a copy
+    # taken meanwhile would pair checked parameters with optimizer state of the next step
+    from sahajbert.hivemind_ext.optim import accessors
+    from sahajbert.rollback import LastGoodState
+
+    model, optimizer, dht = lonely_lockstep(tokenizer, "delayed_good", delayed=True)
+    try:
+        good = LastGoodState(optimizer, pending_update_timeout=10.0)
+        good.save()
+        kept = [t.clone() for t in good.good[0]]
+        for _ in range(30):
+            train_one_batch(model, optimizer)
+            if optimizer.local_epoch >= 1:
+                break
+        assert optimizer.local_epoch >= 1 and accessors.has_pending_updates(optimizer, round_in_flight=False)
+        assert good.keep_or_roll_back()
+        good.after_finite_pass()  # a finite pass, but the step's update is still to come: nothing copied
+        assert good.untrusted and all(torch.equal(a, b) for a, b in zip(kept, good.good[0]))
+        assert accessors.apply_pending_updates(optimizer, timeout=30)
+        good.after_finite_pass()
+        assert not good.untrusted
+        assert all(torch.equal(a, b.detach()) for a, b in zip(good.good[0], accessors.master_parameters(optimizer)))
+        assert not all(torch.equal(a, b) for a, b in zip(kept, good.good[0])), "the step's state was copied"
+    finally:
+        optimizer.shutdown()
+        dht.shutdown()
 
 
 def test_checkpoints_are_atomic_and_pruned(tmp_path, tokenizer):

@@ -153,7 +153,7 @@ class RobustAllReduceRunner(AllReduceRunner):
         except Exception as error:
             # hivemind says only how much came back ("received N% results") and logs why at debug level: a user
             # reading a partial round needs the reducer and the reason (an implausible average says so already)
-            if peer_id not in self.distrusted:
+            if peer_id != self.peer_id and peer_id not in self.distrusted:
                 logger.info(
                     f"no average came back from {peer_id} for its parts of an averaging round of {self._prefix} "
                     f"({error!r}); this peer kept its own values there"

@@ -196,10 +196,10 @@ def follow_schedule(optimizer: hivemind.Optimizer) -> None:
     optimizer.state_averager._update_scheduler()
 
 
-def has_pending_updates(optimizer: GuardedOptimizer) -> bool:
+def has_pending_updates(optimizer: GuardedOptimizer, round_in_flight: bool = True) -> bool:
     """A background optimizer step or averaging round has not been applied yet (`state_averager.pending_updates`, or
-    the optimizer's round in flight)."""
-    return optimizer.round_in_flight or bool(optimizer.state_averager.pending_updates)
+    with `round_in_flight` the optimizer's round in flight)."""
+    return (round_in_flight and optimizer.round_in_flight) or bool(optimizer.state_averager.pending_updates)
 
 
 def apply_pending_updates(optimizer: GuardedOptimizer, timeout: float, round_in_flight: bool = True) -> bool:

@@ -2,6 +2,7 @@
 
 import math
 from functools import partial
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -328,11 +329,17 @@ def test_peers_that_sit_out_do_not_cap_the_one_that_makes_samples():
     assert notes == []
 
 
+def bare_optimizer(averager):
+    """What the parameter-round accessors read of a hivemind.Optimizer, around a real state averager: no step, no
+    round in flight."""
+    optimizer = SimpleNamespace(local_epoch=0, scheduled_state=None, scheduled_grads=None, state_averager=averager)
+    optimizer.round_in_flight, optimizer.finish_round_in_flight = False, lambda timeout: None
+    return optimizer
+
+
 def test_a_hostile_peer_in_a_pair_cannot_take_over_the_parameters():
     # two real state averagers on loopback, one holding x1e4 parameters: the honest peer's reducer bounds that
     # contribution to its own part, and the x1e4 average the other reducer returns is refused by the honest receiver
-    from types import SimpleNamespace
-
     from sahajbert import hivemind_ext as compat
     from sahajbert.stopping import FINAL_GROUP_BITS
 
@@ -343,9 +350,7 @@ def test_a_hostile_peer_in_a_pair_cannot_take_over_the_parameters():
             for scale, dht in zip((1.0, 1e4), dhts):
                 parameters = [torch.nn.Parameter(scale * start.clone())]
                 averager = sgd_state_averager(dht, parameters, "pair")
-                optimizer = SimpleNamespace(local_epoch=0, scheduled_state=None, scheduled_grads=None)
-                optimizer.round_in_flight, optimizer.finish_round_in_flight = False, lambda timeout: None
-                optimizer.state_averager = averager
+                optimizer = bare_optimizer(averager)
                 peers.append((parameters, optimizer))
             rounds = [compat.start_parameter_round(opt, FINAL_GROUP_BITS, 60, 120, group_size=2) for _, opt in peers]
             for control in rounds:  # the round ran, with both peers
@@ -366,7 +371,6 @@ def test_a_reducer_whose_averages_do_not_come_back_is_named_with_the_reason(tmp_
     # two real state averagers on loopback: A reduces every part (B is a client), and B waits 1 us for A's averages
     # (no reply crosses two p2p daemons that fast): B keeps its own values, and its log names A and the timeout
     import logging
-    from types import SimpleNamespace
 
     from sahajbert import hivemind_ext as compat
     from sahajbert.stopping import FINAL_GROUP_BITS
@@ -384,9 +388,7 @@ def test_a_reducer_whose_averages_do_not_come_back_is_named_with_the_reason(tmp_
                 for dht, options in zip(dhts, ({}, b_options)):
                     parameters = [torch.nn.Parameter(start.clone())]
                     averager = sgd_state_averager(dht, parameters, "slow_reply", **options)
-                    optimizer = SimpleNamespace(local_epoch=0, scheduled_state=None, scheduled_grads=None)
-                    optimizer.round_in_flight, optimizer.finish_round_in_flight = False, lambda timeout: None
-                    optimizer.state_averager = averager
+                    optimizer = bare_optimizer(averager)
                     peers.append(optimizer)
                 rounds = [compat.start_parameter_round(opt, FINAL_GROUP_BITS, 60, 120, group_size=2) for opt in peers]
                 # B's round (A's waits for the parts B stopped sending, up to its timeout: not this test's concern)
@@ -410,8 +412,6 @@ def test_a_peer_left_out_leads_no_group_of_this_peer():
     # two real state averagers on loopback; A leaves B out from the start. B's wait ends first, which makes it the
     # leader hivemind's matchmaking would have A follow: A does not ask it, and B cannot join A (A refuses it as its
     # leader), so no round forms and A keeps its parameters
-    from types import SimpleNamespace
-
     from sahajbert import hivemind_ext as compat
     from sahajbert.stopping import FINAL_GROUP_BITS
 
@@ -421,9 +421,7 @@ def test_a_peer_left_out_leads_no_group_of_this_peer():
             for value, dht, distrusted in ((0.0, dhts[0], [dhts[1].peer_id]), (1.0, dhts[1], [])):
                 parameters = [torch.nn.Parameter(torch.full((1000,), value))]
                 averager = sgd_state_averager(dht, parameters, "leftout", distrusted=distrusted)
-                optimizer = SimpleNamespace(local_epoch=0, scheduled_state=None, scheduled_grads=None)
-                optimizer.round_in_flight, optimizer.finish_round_in_flight = False, lambda timeout: None
-                optimizer.state_averager = averager
+                optimizer = bare_optimizer(averager)
                 peers.append((parameters, optimizer))
             (a_parameters, a), (_, b) = peers
             rounds = [
@@ -631,8 +629,6 @@ def test_a_peer_takes_the_state_of_the_one_peer_it_names():
     # how a final round that came back partial settles on one model: real state averagers on loopback, two serving
     # their states; the one named is taken although the other declares the higher priority (a plain download takes
     # that one first), and a peer that serves no state gives none
-    from types import SimpleNamespace
-
     from sahajbert import hivemind_ext as compat
 
     averagers = []

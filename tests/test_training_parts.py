@@ -223,6 +223,16 @@ def train_one_batch(model, optimizer):
     optimizer.zero_grad()
 
 
+def train_to(model, optimizer, step: int) -> None:
+    """Train one batch at a time until the optimizer reaches global `step` (a few mini-steps each: a step waits for
+    the swarm's count of samples)."""
+    for _ in range(30):
+        if optimizer.local_epoch >= step:
+            return
+        train_one_batch(model, optimizer)
+    raise AssertionError(f"no global step {step} in 30 mini-steps")
+
+
 def test_both_averagers_wait_the_planned_time_for_a_leaders_answer(tokenizer):
     from sahajbert.adaptive import plan_timing
 
@@ -315,15 +325,7 @@ def test_the_last_good_state_is_one_copy_overwritten_once_a_pass_from_a_new_stat
     from sahajbert.rollback import LastGoodState
 
     model, optimizer = lonely_optimizer
-
-    def train_to(step: int) -> None:
-        for _ in range(30):  # a step waits for the swarm's count of samples: a few mini-steps each
-            if optimizer.local_epoch >= step:
-                return
-            train_one_batch(model, optimizer)
-        raise AssertionError(f"no global step {step} in 30 mini-steps")
-
-    train_to(1)  # the optimizer has its moments
+    train_to(model, optimizer, 1)  # the optimizer has its moments
     good = LastGoodState(optimizer, pending_update_timeout=10.0)
     good.save()
     kept_parameters, kept_state, _ = good.good
@@ -331,7 +333,7 @@ def test_the_last_good_state_is_one_copy_overwritten_once_a_pass_from_a_new_stat
     addresses = [t.data_ptr() for t in [*kept_parameters, *moments]]
     first = [t.clone() for t in kept_parameters]
     first_moments = [t.clone() for t in moments]
-    train_to(2)
+    train_to(model, optimizer, 2)
     assert not all(torch.equal(a, b.detach()) for a, b in zip(first, accessors.master_parameters(optimizer)))
     assert good.keep_or_roll_back()
     # not yet trusted: the copy still holds the state it had (training did not write into it), and no second copy
@@ -361,11 +363,8 @@ def test_with_delayed_updates_the_good_state_is_copied_only_once_no_update_is_pe
         good = LastGoodState(optimizer, pending_update_timeout=10.0)
         good.save()
         kept = [t.clone() for t in good.good[0]]
-        for _ in range(30):
-            train_one_batch(model, optimizer)
-            if optimizer.local_epoch >= 1:
-                break
-        assert optimizer.local_epoch >= 1 and accessors.has_pending_updates(optimizer, round_in_flight=False)
+        train_to(model, optimizer, 1)
+        assert accessors.has_pending_updates(optimizer, round_in_flight=False)
         assert good.keep_or_roll_back()
         good.after_finite_pass()  # a finite pass, but the step's update is still to come: nothing copied
         assert good.untrusted and all(torch.equal(a, b) for a, b in zip(kept, good.good[0]))

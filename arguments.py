@@ -10,11 +10,12 @@ file of these fields before its flags, which override it.
 |---|---|---|
 | SwarmArguments | run id, initial peers, addresses, identity, NAT, invite | first peer, trainer, aux peer |
 | AveragingArguments | matchmaking, timeouts, group, bandwidth, compression, final round | trainer, aux peer |
-| CollaborativeOptimizerArguments | target batch, delayed updates, state averaging, progress | trainer, aux peer |
+| CollaborativeOptimizerArguments | target batch, delayed updates, state averaging, DiLoCo | trainer, aux peer |
+| SparseDiLoCoArguments | DiLoCo's sparse pseudo-gradients (error feedback) and fragments | trainer, aux peer |
 | ModelArguments | the model preset or config | trainer, aux peer |
 | LocalTrainingArguments | batch, LAMB and schedule, precision, device, checkpoints | trainer, aux peer |
 | CorpusArguments | sources or files, sequence length, masking, tokenizer | trainer, aux, tokenizer, preview |
-| PeerArguments | all six groups above together: what a trainer and the aux peer are built from | trainer, aux peer |
+| PeerArguments | all seven groups above together: what a trainer and the aux peer are built from | trainer, aux peer |
 | AuthorityArguments | an invite-only run's allowlist and token lifetime | first peer |
 | TrainerScriptArguments | --auto_config, --check | trainer |
 | AuxPeerArguments | monitor, checkpoints, wandb, Hub upload, assist, rescue, dashboard | aux peer |
@@ -36,6 +37,7 @@ from sahajbert.flags import (
     ModelArguments,
     PeerArguments,
     PreviewArguments,
+    SparseDiLoCoArguments,
     SwarmArguments,
     TokenizerTrainingArguments,
     TrainerScriptArguments,
@@ -56,6 +58,7 @@ __all__ = [
     "ModelArguments",
     "PeerArguments",
     "PreviewArguments",
+    "SparseDiLoCoArguments",
     "SwarmArguments",
     "TokenizerTrainingArguments",
     "TrainerScriptArguments",

@@ -37,21 +37,27 @@ BATCH = 8  # samples per pass (tiny_trainer_flags' --per_device_train_batch_size
 FAR = 1_000_000  # --total_steps: a schedule that stays at its peak over the run
 
 
-Mode = tuple[int, bool]  # (H: 0 is data parallelism, --diloco_overlap)
+# (H: 0 is data parallelism, --diloco_overlap, --pseudo_gradient_compression, --diloco_fragments)
+Mode = tuple[int, bool, str, int]
 
 
 def mode_name(mode: Mode) -> str:
-    inner_steps, overlap = mode
+    inner_steps, overlap, compression, fragments = mode
     if inner_steps == 0:
         return "data parallel"
-    return f"DiLoCo H={inner_steps}" + (", overlapped" if overlap else "")
+    kind = "sparse DiLoCo" if compression == "sparse" else "DiLoCo"
+    return (
+        f"{kind} H={inner_steps}"
+        + (f", {fragments} fragments" if fragments > 1 else "")
+        + (", overlapped" if overlap else "")
+    )
 
 
 def run_mode(args, mode: Mode, work: Path, matched: bool = False) -> dict:
     """One netswarm run; its JSON result. DiLoCo's --max_steps: outer steps to reach --samples with every trainer's
     H passes of BATCH samples. `matched`: data parallelism with a global step per BATCH samples of each trainer
     (--step_matched_samples of them, at --inner_lr: its batch is the trainers' inner-step batches)."""
-    inner_steps, overlap = mode
+    inner_steps, overlap, compression, fragments = mode
     per_pass = max(1, BATCH // args.trainers) if matched else BATCH
     target_batch_size = args.trainers * per_pass if matched else args.target_batch_size
     # the swarm's samples per global step
@@ -59,20 +65,23 @@ def run_mode(args, mode: Mode, work: Path, matched: bool = False) -> dict:
         per_step = args.trainers * BATCH
     elif inner_steps == 0:
         per_step = target_batch_size
-    else:
-        per_step = args.trainers * inner_steps * BATCH
+    else:  # a global step is a round: of the whole model, or of one of its fragments every H / F inner steps
+        per_step = args.trainers * (inner_steps // fragments) * BATCH
     steps = math.ceil((args.step_matched_samples if matched else args.samples) / per_step)
-    output = work / ("matched.json" if matched else f"h{inner_steps}{'o' if overlap else ''}.json")
+    output = work / (
+        "matched.json" if matched else f"h{inner_steps}{'o' if overlap else ''}{compression}{fragments}.json"
+    )
     command = [sys.executable, str(ROOT / "benchmarks" / "netswarm.py"), "--profile", args.profile]
     command += ["--trainers", str(args.trainers), "--max_steps", str(steps), "--model", args.model]
     command += ["--per_device_train_batch_size", str(per_pass)]
     # the schedule counts global steps in data parallelism and inner steps in DiLoCo
-    total_steps = steps * max(1, inner_steps) if args.decay else FAR
+    total_steps = steps * max(1, inner_steps // fragments) if args.decay else FAR
     command += ["--target_batch_size", str(target_batch_size), "--total_steps", str(total_steps)]
     command += ["--timeout", str(args.timeout), "--output_json", str(output)]
     if inner_steps:
         command += ["--diloco_inner_steps", str(inner_steps), "--learning_rate", str(args.inner_lr)]
         command += ["--diloco_overlap"] if overlap else []
+        command += ["--pseudo_gradient_compression", compression, "--diloco_fragments", str(fragments)]
     else:
         command += ["--learning_rate", str(args.inner_lr if matched else args.dp_lr)]
     print("running:", " ".join(command[1:]), flush=True)
@@ -136,8 +145,9 @@ def svg_plot(results: dict[Mode, dict], path: Path) -> None:
         f"loss ({low:.2f} to {high:.2f})</text>",
     ]
     for index, (mode, result) in enumerate(sorted(results.items())):
-        # one colour per H; an overlapped run is drawn dashed in its H's colour
-        colour = colours[sorted({m[0] for m in results}).index(mode[0]) % len(colours)]
+        # one colour per H and compression; an overlapped run is drawn dashed in its colour
+        kinds = sorted({(m[0], m[2], m[3]) for m in results})
+        colour = colours[kinds.index((mode[0], mode[2], mode[3])) % len(colours)]
         dash = ' stroke-dasharray="6 4"' if mode[1] else ""
         label = mode_name(mode) + (" (dashed)" if mode[1] else "")
         lines.append(
@@ -162,6 +172,20 @@ def main(argv=None) -> int:
         default="off",
         help="DiLoCo's --diloco_overlap: off, on, or both (every H run twice)",
     )
+    parser.add_argument(
+        "--compressions",
+        nargs="+",
+        choices=["8bit", "sparse"],
+        default=["8bit"],
+        help="DiLoCo's --pseudo_gradient_compression: every H runs with each (sparse: SparseLoCo's top-k, 2-bit, "
+        "error feedback, at the trainers' default --sparse_density and --outer_lr)",
+    )
+    parser.add_argument(
+        "--fragments",
+        type=int,
+        default=0,
+        help="also run sparse DiLoCo at each H with this many --diloco_fragments (0: not run)",
+    )
     parser.add_argument("--dp_lr", type=float, default=0.1, help="data parallelism's LAMB learning rate")
     parser.add_argument("--inner_lr", type=float, default=0.01, help="DiLoCo's inner LAMB learning rate")
     parser.add_argument(
@@ -184,7 +208,10 @@ def main(argv=None) -> int:
     if args.step_matched_samples < 0:
         parser.error(f"--step_matched_samples must be 0 (not run) or more, got {args.step_matched_samples}")
     overlaps = {"off": [False], "on": [True], "both": [False, True]}[args.overlap]
-    modes = [(0, False), *[(h, overlap) for h in args.inner_steps for overlap in overlaps]]
+    modes = [(0, False, "8bit", 1)]
+    modes += [(h, overlap, kind, 1) for h in args.inner_steps for overlap in overlaps for kind in args.compressions]
+    if args.fragments > 1:
+        modes += [(h, overlap, "sparse", args.fragments) for h in args.inner_steps for overlap in overlaps]
     results: dict[Mode, dict] = {}
     matched = None
     with tempfile.TemporaryDirectory(prefix="bench-diloco-") as tmp:
@@ -192,12 +219,12 @@ def main(argv=None) -> int:
             for mode in modes:
                 results[mode] = run_mode(args, mode, Path(tmp))
             if args.step_matched_samples:
-                matched = run_mode(args, (0, False), Path(tmp), matched=True)
+                matched = run_mode(args, (0, False, "8bit", 1), Path(tmp), matched=True)
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
     common = min(r["curve"][-1]["samples"] for r in results.values())
-    dp = results[(0, False)]
+    dp = results[(0, False, "8bit", 1)]
     dp_loss = tail_loss(dp["curve"], common)
     print(f"\n    sudo python benchmarks/bench_diloco.py {' '.join(argv if argv is not None else sys.argv[1:])}\n")
     print(
@@ -210,10 +237,12 @@ def main(argv=None) -> int:
     print(
         "| mode | outer/global steps | samples per trainer per step | bytes sent per sample | in training | vs "
         f"{'step-matched ' if matched is not None else ''}data parallel (in training) | compute utilization | "
-        "with inner steps | failed rounds | loss | vs data parallel | parameters agree |"
+        "with inner steps | most bytes in one round (a trainer's) | failed rounds | loss | vs data parallel | "
+        "parameters agree |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
-    rows = [(mode_name(m) + (" (DPU, fp16)" if m[0] == 0 else " (int8)"), r) for m, r in sorted(results.items())]
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    codec = {"8bit": " (int8)", "sparse": " (top-k, 2-bit)"}
+    rows = [(mode_name(m) + (" (DPU, fp16)" if m[0] == 0 else codec[m[2]]), r) for m, r in sorted(results.items())]
     if matched is not None:
         rows.insert(0, ("step-matched data parallel (DPU, fp16)", matched))
     for name, result in rows:
@@ -225,12 +254,13 @@ def main(argv=None) -> int:
         else:
             loss = tail_loss(result["curve"], common)
             loss_cells = f"{loss:.3f} | {loss / dp_loss - 1:+.1%} |"
-        reduction = base["training_bytes_per_sample"] / max(1e-9, result["training_bytes_per_sample"])
+        reduction = base["bytes_per_sample_training"] / max(1e-9, result["bytes_per_sample_training"])
         print(
             f"| {name} | {result['global_steps']} | {per_step:,.1f} | {result['bytes_per_sample']:,.0f} | "
-            f"{result['training_bytes_per_sample']:,.0f} | "
+            f"{result['bytes_per_sample_training']:,.0f} | "
             f"{'1x' if result is base else f'{reduction:,.0f}x less'} | {result['compute_utilization']:.1%} | "
-            f"{result['training_utilization']:.1%} | {result['failed_rounds']} | {loss_cells} "
+            f"{result['training_utilization']:.1%} | {result['max_round_bytes']:,.0f} | {result['failed_rounds']} | "
+            f"{loss_cells} "
             f"{'yes' if result['parameters_agree'] else 'NO'} |"
         )
     print("\nloss curves (the last step's loss at each point; every step below and in --plot):\n")

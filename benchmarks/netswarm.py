@@ -307,6 +307,8 @@ def trainer_args(args, run_id: str, initial_peers: list[str], ip: str, output_di
         flags += ["--diloco_inner_steps", str(args.diloco_inner_steps)]
         if args.diloco_overlap:  # the round averages behind the next inner steps
             flags += ["--diloco_overlap"]
+        flags += ["--pseudo_gradient_compression", args.pseudo_gradient_compression]
+        flags += ["--diloco_fragments", str(args.diloco_fragments)]
     return flags + (["--client_mode"] if client else [])
 
 
@@ -466,6 +468,7 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
         # and once more when the swarm's last step is logged: what the trainers sent in training, before the final
         # parameter round (a fixed cost of a run: parameters and optimizer state, once)
         before_final = None
+        step_seen, bytes_seen, max_round_bytes = -1, {}, 0.0
         started, next_churn, churn_slot, standby = time.time(), time.time() + args.churn_every, 0, None
         next_churn_step = args.churn_every_steps
         while any(p.running() for p in trainers.values()):
@@ -476,6 +479,15 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
                 start_bytes = {ns: net.tx_bytes(ns) for ns, _ in [*hosts.values(), first_host]}
             if start_bytes is not None and before_final is None and swarm_step >= args.max_steps:
                 before_final = sum(net.tx_bytes(ns) - start_bytes[ns] for ns, _ in hosts.values())
+            if start_bytes is not None and before_final is None and swarm_step > step_seen:
+                # each trainer's bytes per global step since the last step change this poll saw (a step's round,
+                # and the DHT's chatter meanwhile): the largest is the run's max_round_bytes
+                now = {ns: net.tx_bytes(ns) for ns, _ in hosts.values()}
+                if step_seen >= 0:
+                    steps_between = swarm_step - step_seen
+                    per_step = max((now[ns] - bytes_seen[ns]) / steps_between for ns in now)
+                    max_round_bytes = max(max_round_bytes, per_step)
+                step_seen, bytes_seen = swarm_step, now
             due = (args.churn_every and time.time() >= next_churn) or (
                 args.churn_every_steps and swarm_step >= next_churn_step
             )
@@ -524,6 +536,7 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
         "started_at": started_at,
         "first_peer_sent": first_peer_sent,
         "sent_before_final_round": before_final,
+        "max_round_bytes": max_round_bytes,
         "hub": net.hub,
         "reachability_checks": checks,
         "nat": nat_of,
@@ -644,7 +657,10 @@ def summarize(args, workdir: Path, trainers: dict, kills: list[float], sent_byte
         "training_utilization": sum(training) / len(training) if training else 0.0,
         "bytes_per_sample": sent_bytes / max(1, samples),
         # the same in training: up to the swarm's last step (polled each second), without the final round
-        "training_bytes_per_sample": network["sent_before_final_round"] / max(1, samples),
+        "bytes_per_sample_training": network["sent_before_final_round"] / max(1, samples),
+        # the most bytes one trainer sent per global step between two step changes the poll saw (each second): with
+        # a round per step, its largest round, plus the DHT's chatter of that step
+        "max_round_bytes": network["max_round_bytes"],
         "seconds_per_round": sum(round_times) / len(round_times) if round_times else None,
         "bandwidth": bandwidth,
         "newcomers": newcomers,
@@ -681,6 +697,8 @@ def summarize(args, workdir: Path, trainers: dict, kills: list[float], sent_byte
         "parameters_agree": agree,
         "diloco_inner_steps": args.diloco_inner_steps,
         "diloco_overlap": args.diloco_overlap,
+        "pseudo_gradient_compression": args.pseudo_gradient_compression,
+        "diloco_fragments": args.diloco_fragments,
         # the swarm's loss by the samples it had trained: each global step's mean loss over its peers' passes
         "curve": loss_curve(records),
     }
@@ -728,7 +746,8 @@ def print_table(result: dict) -> None:
         ("bytes sent per peer per global step", f"{result['bytes_per_peer_step']:,.0f}"),
         ("ideal all-reduce bytes per peer per step", f"{result['ideal_bytes_per_peer_step']:,.0f}"),
         ("bytes sent by all trainers per sample trained", f"{result['bytes_per_sample']:,.0f}"),
-        ("  up to the last step (without the final parameter round)", f"{result['training_bytes_per_sample']:,.0f}"),
+        ("  up to the last step (without the final parameter round)", f"{result['bytes_per_sample_training']:,.0f}"),
+        ("most bytes one trainer sent in one global step's round", f"{result['max_round_bytes']:,.0f}"),
         ("failed averaging rounds", f"{result['failed_rounds']}"),
         ("samples lost to churn", f"{result['samples_lost_to_churn']}"),
         ("global steps after the last churn event", f"{result['steps_after_last_churn']}"),
@@ -826,6 +845,15 @@ def main(argv=None) -> int:
     )
     parser.add_argument(
         "--diloco_overlap", action="store_true", help="DiLoCo: every trainer's --diloco_overlap (background rounds)"
+    )
+    parser.add_argument(
+        "--pseudo_gradient_compression",
+        default="8bit",
+        choices=["8bit", "sparse"],
+        help="DiLoCo: every trainer's --pseudo_gradient_compression (sparse: SparseLoCo's top-k with error feedback)",
+    )
+    parser.add_argument(
+        "--diloco_fragments", type=int, default=1, help="DiLoCo: every trainer's --diloco_fragments (needs sparse)"
     )
     parser.add_argument("--learning_rate", type=float, default=None, help="every trainer's --learning_rate")
     parser.add_argument("--total_steps", type=int, default=None, help="every trainer's --total_steps (schedule)")

@@ -27,11 +27,12 @@ from sahajbert.adaptive import (
     round_wait_of,
 )
 from sahajbert.flags import PeerArguments
-from sahajbert.hivemind_ext.compression import Uniform8Bit
+from sahajbert.hivemind_ext.compression import SparseParts, Uniform8Bit
 from sahajbert.hivemind_ext.optim import accessors
 from sahajbert.hivemind_ext.optim.diloco import DiLoCoOptimizer
 from sahajbert.hivemind_ext.optim.optimizer import GuardedOptimizer, gradient_averager_factory
 from sahajbert.signals import StopNow
+from sahajbert.sparse import SparseRounds
 
 
 def clip_applied_gradients(optimizer: torch.optim.Optimizer, max_grad_norm: float | None) -> None:
@@ -161,10 +162,11 @@ def make_compression(name: str) -> CompressionBase:
 
 def outer_sgd(param_groups: list[dict], lr: float, momentum: float) -> torch.optim.SGD:
     """DiLoCo's outer optimizer: SGD with Nesterov momentum on the pseudo-gradients (DiLoCo and OpenDiLoCo: lr 0.7,
-    momentum 0.9); no weight decay, which the inner LAMB applies already."""
+    momentum 0.9), or plain SGD with momentum 0 (SparseLoCo's); no weight decay, which the inner LAMB applies
+    already."""
     # the parameters alone: the groups' other keys are the inner optimizer's settings
     groups = [{"params": group["params"]} for group in param_groups]
-    return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=True)
+    return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=momentum > 0)
 
 
 def lr_at_step(step: int, peak: float, warmup_steps: int, total_steps: int) -> float:
@@ -260,6 +262,19 @@ def build_collaborative_optimizer(
         verbose=True,
     )
     if optimizer_args.diloco_inner_steps:
+        # SparseLoCo: top-k pseudo-gradients with error feedback, which takes the outer momentum's place
+        sparse = optimizer_args.pseudo_gradient_compression == "sparse"
+        outer_momentum = 0.0 if sparse else optimizer_args.outer_momentum
+        sparse_args = peer_args.sparse_args
+        rounds, pseudo_gradient_codec = None, None
+        if sparse:
+            pseudo_gradient_codec = SparseParts(sparse_args.sparse_density)
+            rounds = SparseRounds(
+                sparse_args.sparse_density,
+                sparse_args.sparse_chunk_size,
+                sparse_args.error_feedback_decay,
+                sparse_args.diloco_fragments,
+            )
         inner_optimizer = partial(AdamW, **adam_settings) if optimizer_args.diloco_inner_optimizer == "adamw" else lamb
         return DiLoCoOptimizer(
             inner_optimizer=inner_optimizer,
@@ -274,11 +289,12 @@ def build_collaborative_optimizer(
             overlap=optimizer_args.diloco_overlap,
             reads_per_step=DILOCO_READS_PER_STEP,
             last_step=None if auxiliary else training_args.max_steps,
-            optimizer=partial(outer_sgd, lr=optimizer_args.outer_lr, momentum=optimizer_args.outer_momentum),
+            optimizer=partial(outer_sgd, lr=optimizer_args.outer_lr, momentum=outer_momentum),
             scheduler=None,
             # the round's result is awaited from the end of this peer's inner steps: the wait for the others first
             averaging_timeout=timing.averaging_timeout + optimizer_args.diloco_wait,
-            grad_compression=make_compression(optimizer_args.pseudo_gradient_compression),
+            grad_compression=pseudo_gradient_codec or make_compression(optimizer_args.pseudo_gradient_compression),
+            sparse=rounds,
             grad_averager_factory=gradient_averager_factory(gate, aggregation, **averager_opts),
             **shared,
         )

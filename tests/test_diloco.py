@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from sahajbert.access import add_invite
-from sahajbert.checkpoints import latest_checkpoint, list_checkpoints
-from sahajbert.localswarm import peer_env, wait_for
+from sahajbert.checkpoints import latest_checkpoint, list_checkpoints, load_optimizer_state
+from sahajbert.localswarm import checkpoints_agree, peer_env, wait_for
 from sahajbert.model import load_model
 from sahajbert.train_log import read_train_log as train_log
 
@@ -53,6 +53,20 @@ def invites(allowlist) -> dict[str, list[str]]:
     return flags
 
 
+def run_with_a_newcomer(tmp_path, started: list, pair: list, newcomer: list) -> list:
+    """Once the first of `pair` has made an outer step, start a newcomer (run_trainer.py: its name, run id, initial
+    peers, flags); wait for all three trainers to end and for the aux peer's checkpoint. The three trainers; each
+    process started is added to `started`, which the caller stops."""
+    wait_for(lambda: len(train_log(tmp_path / "t0")) >= 1, 300, "an outer step of the first pair")
+    name, run_id, initial_peers, *flags = newcomer
+    started.append(start_peer("run_trainer.py", tmp_path, name, run_id, initial_peers, *flags))
+    trainers = [*pair, started[-1]]
+    for trainer in trainers:
+        assert trainer.wait(400) == 0, trainer.output()[-3000:]
+    wait_for(lambda: list_checkpoints(tmp_path / "aux"), 60, "the aux peer's checkpoint")
+    return trainers
+
+
 @pytest.mark.timeout(1500)
 def test_two_diloco_trainers_learn_agree_and_take_in_a_newcomer_in_an_invite_only_run(tmp_path):
     allowlist = tmp_path / "invites.txt"
@@ -74,15 +88,8 @@ def test_two_diloco_trainers_learn_agree_and_take_in_a_newcomer_in_an_invite_onl
         aux = start_peer("run_aux_peer.py", tmp_path, "aux", "diloco", initial_peers, *aux_flags)
         started.append(aux)
         # a newcomer joins once the pair has made an outer step: it downloads the outer and the inner state
-        wait_for(lambda: len(train_log(tmp_path / "t0")) >= 1, 300, "an outer step of the first pair")
-        newcomer = start_peer(
-            "run_trainer.py", tmp_path, "t2", "diloco", initial_peers, *COMMON, *OVERLAP[2], *invite["t2"]
-        )
-        started.append(newcomer)
-        trainers = [*pair, newcomer]
-        for trainer in trainers:
-            assert trainer.wait(400) == 0, trainer.output()[-3000:]
-        wait_for(lambda: list_checkpoints(tmp_path / "aux"), 60, "the aux peer's checkpoint")
+        newcomer = ["t2", "diloco", initial_peers, *COMMON, *OVERLAP[2], *invite["t2"]]
+        trainers = run_with_a_newcomer(tmp_path, started, pair, newcomer)
     finally:
         for process in started:
             process.stop()
@@ -123,3 +130,55 @@ def test_two_diloco_trainers_learn_agree_and_take_in_a_newcomer_in_an_invite_onl
     for name in final[0]:
         for other in final[1:]:
             torch.testing.assert_close(final[0][name], other[name], atol=2e-3, rtol=1e-2, msg=name)
+
+
+# SparseLoCo's rounds every 50 inner steps (~1.5 s on a busy machine): a newcomer started after the first round takes
+# a dozen of them to start
+SPARSE_STEPS = 20
+SPARSE = ["--diloco_inner_steps", "50", "--learning_rate", "0.01", "--total_steps", "100000"]
+SPARSE += ["--diloco_wait", "30", "--pseudo_gradient_compression", "sparse"]
+
+
+@pytest.mark.timeout(900)
+def test_sparse_diloco_trainers_learn_agree_take_in_a_newcomer_and_keep_their_error_feedback(tmp_path):
+    # SparseLoCo's rounds between a serving trainer, a client-mode one that overlaps its rounds, and a newcomer; the
+    # aux peer checkpoints the swarm's state
+    peer, initial_peers = first_peer(tmp_path / "first_peer", "sparse")
+    started = [peer]
+    common = [*SPARSE, "--max_steps", str(SPARSE_STEPS), "--verbose"]
+    own = {"t0": [], "t1": ["--client_mode", "--diloco_overlap"], "t2": []}
+    try:
+        pair = [
+            start_peer("run_trainer.py", tmp_path, name, "sparse", initial_peers, *common, *own[name])
+            for name in ("t0", "t1")
+        ]
+        started += pair
+        aux_flags = ["--refresh_period", "1", "--checkpoint_every", "3", *SPARSE]
+        aux = start_peer("run_aux_peer.py", tmp_path, "aux", "sparse", initial_peers, *aux_flags)
+        started.append(aux)
+        trainers = run_with_a_newcomer(tmp_path, started, pair, ["t2", "sparse", initial_peers, *common, *own["t2"]])
+    finally:
+        for process in started:
+            process.stop()
+    outputs = [trainer.output() for trainer in trainers]
+    for out in outputs:  # no reducer dropped or bounded an honest sparse contribution, no error line
+        no_alarms(out)
+    assert re.search(r"joined at global step ([1-9]|1[0-7])\b", outputs[2]), outputs[2][-3000:]
+    assert "Averaged gradients with 3 peers" in "".join(outputs), "the newcomer never joined an outer round"
+    finals = [list_checkpoints(tmp_path / name)[-1] for name in own]
+    assert [step for step, _ in finals] == [SPARSE_STEPS] * 3
+    agree, difference = checkpoints_agree([checkpoint for _, checkpoint in finals])
+    assert agree, difference
+    # each trainer's checkpoint keeps its own error-feedback buffer: a value for every parameter, what it did not send
+    model = load_model(finals[0][1])
+    buffers = [load_optimizer_state(c)["diloco"]["error_feedback"]["buffers"] for _, c in finals]
+    for own_buffers in buffers:
+        # (in the optimizer's order: the parameter groups with and without weight decay)
+        assert sorted(b.shape for b in own_buffers) == sorted(p.shape for p in model.parameters())
+        assert all(torch.isfinite(b).all() for b in own_buffers) and any(b.abs().sum() > 0 for b in own_buffers)
+    assert not torch.equal(buffers[0][0], buffers[1][0])  # its own, not the swarm's
+    aux_step, aux_checkpoint = list_checkpoints(tmp_path / "aux")[-1]
+    assert aux_step >= 3 and all(torch.isfinite(t).all() for t in load_model(aux_checkpoint).state_dict().values())
+    logs = [train_log(tmp_path / name) for name in own]
+    losses = [[round(r.loss, 3) for r in log] for log in logs]
+    assert swarm_loss(logs, [SPARSE_STEPS]) < 0.97 * swarm_loss(logs, [1]), losses

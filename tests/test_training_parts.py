@@ -25,6 +25,7 @@ from sahajbert.flags import (
     CollaborativeOptimizerArguments,
     LocalTrainingArguments,
     PeerArguments,
+    SparseDiLoCoArguments,
     SwarmArguments,
 )
 from sahajbert.model import PRESETS_DIR, build_model, load_config
@@ -182,8 +183,11 @@ def lonely_diloco(
     overlap: bool = False,
     max_steps: int | None = None,
     inner_optimizer: str = "lamb",
+    compression: str = "8bit",
+    sparse: SparseDiLoCoArguments | None = None,
 ):
-    """A DiLoCo optimizer alone in its swarm, from the trainer's factory, and its DHT."""
+    """A DiLoCo optimizer alone in its swarm, from the trainer's factory, and its DHT; `compression`: its
+    --pseudo_gradient_compression, `sparse`: its sparse DiLoCo flags."""
     import hivemind
 
     from sahajbert.optim import build_collaborative_optimizer
@@ -198,7 +202,9 @@ def lonely_diloco(
             diloco_wait=0,
             diloco_overlap=overlap,
             diloco_inner_optimizer=inner_optimizer,
+            pseudo_gradient_compression=compression,
         ),
+        sparse_args=sparse or SparseDiLoCoArguments(),
         training_args=LocalTrainingArguments(
             per_device_train_batch_size=4, learning_rate=0.01, warmup_steps=1, total_steps=1000, max_steps=max_steps
         ),

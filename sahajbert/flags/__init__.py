@@ -8,7 +8,7 @@ that lists them for users. Fine-tuning's and evaluation's groups are in `sahajbe
 transformers, which no peer script's `--help` may need).
 """
 
-from sahajbert.flags.averaging import AveragingArguments, CollaborativeOptimizerArguments
+from sahajbert.flags.averaging import AveragingArguments, CollaborativeOptimizerArguments, SparseDiLoCoArguments
 from sahajbert.flags.data import CorpusArguments, PreviewArguments, TokenizerTrainingArguments
 from sahajbert.flags.peers import (
     RECIPE_EXPANSION,
@@ -33,6 +33,7 @@ __all__ = [
     "PeerArguments",
     "PreviewArguments",
     "RECIPE_EXPANSION",
+    "SparseDiLoCoArguments",
     "SwarmArguments",
     "TokenizerTrainingArguments",
     "TrainerScriptArguments",

@@ -4,6 +4,10 @@ global step (target batch, delayed updates, state averaging)."""
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
+DILOCO_OUTER_LR = 0.7  # DiLoCo's and OpenDiLoCo's, with Nesterov momentum 0.9
+# SparseLoCo's outer step has no momentum (its error feedback carries the rest): see benchmarks/README.md's sweep
+SPARSE_OUTER_LR = 2.0
+
 
 @dataclass
 class AveragingArguments:
@@ -183,15 +187,19 @@ class CollaborativeOptimizerArguments:
             "choices": ["lamb", "adamw"],
         },
     )
-    outer_lr: float = field(default=0.7, metadata={"help": "DiLoCo: the outer SGD's learning rate (constant)."})
-    outer_momentum: float = field(default=0.9, metadata={"help": "DiLoCo: the outer SGD's Nesterov momentum."})
+    outer_lr: Optional[float] = field(
+        default=None,
+        metadata={"help": "DiLoCo: the outer SGD's learning rate (constant; default 0.7, or 2.0 with sparse)."},
+    )
+    outer_momentum: float = field(
+        default=0.9, metadata={"help": "DiLoCo: the outer SGD's Nesterov momentum (none with sparse)."}
+    )
     pseudo_gradient_compression: str = field(
         default="8bit",
         metadata={
-            "help": "DiLoCo: compression of the averaged pseudo-gradients (8bit: buckets around the mean, as "
-            "hivemind's Uniform8BitQuantization and INTELLECT-1's int8 all-reduce; fp16 for tensor parts under 1,033 "
-            "values, where it takes fewer bytes).",
-            "choices": ["none", "fp16", "8bit"],
+            "help": "DiLoCo: compression of the averaged pseudo-gradients (8bit: INTELLECT-1's int8 all-reduce, fp16 "
+            "for parts under 1,033 values; sparse: SparseLoCo's top-k in 2 bits, with error feedback).",
+            "choices": ["none", "fp16", "8bit", "sparse"],
         },
     )
     diloco_overlap: bool = field(
@@ -247,8 +255,50 @@ class CollaborativeOptimizerArguments:
             raise ValueError(f"--diloco_inner_optimizer is lamb or adamw, got {self.diloco_inner_optimizer!r}")
         if self.diloco_inner_optimizer != "lamb" and not self.diloco_inner_steps:
             raise ValueError("--diloco_inner_optimizer is DiLoCo's: it needs --diloco_inner_steps")
+        if self.pseudo_gradient_compression == "sparse" and not self.diloco_inner_steps:
+            raise ValueError("--pseudo_gradient_compression sparse is DiLoCo's: it needs --diloco_inner_steps")
+        if self.outer_lr is None:
+            self.outer_lr = SPARSE_OUTER_LR if self.pseudo_gradient_compression == "sparse" else DILOCO_OUTER_LR
         if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1 or self.diloco_wait < 0:
             raise ValueError(
                 f"DiLoCo needs --outer_lr > 0, 0 <= --outer_momentum < 1 and --diloco_wait >= 0; got "
                 f"{self.outer_lr}, {self.outer_momentum}, {self.diloco_wait}"
             )
+
+
+@dataclass
+class SparseDiLoCoArguments:
+    """DiLoCo's rounds with --pseudo_gradient_compression sparse: SparseLoCo's pseudo-gradients, streamed fragments."""
+
+    TITLE: ClassVar[str] = "sparse DiLoCo"
+
+    sparse_density: float = field(
+        default=1 / 64,
+        metadata={"help": "The share of each chunk's values a trainer sends per round (64 of 4,096)."},
+    )
+    sparse_chunk_size: int = field(default=4096, metadata={"help": "Values per chunk whose top share is sent."})
+    error_feedback_decay: float = field(
+        default=1.0,
+        metadata={
+            "help": "The share of what a trainer did not send that stays in its model for later "
+            "rounds (error feedback; below 1 the rest is dropped and the model moves toward the swarm's)."
+        },
+    )
+    diloco_fragments: int = field(
+        default=1,
+        metadata={
+            "help": "Split the parameters into this many fragments (consecutive tensors, about equal in "
+            "size), each averaged every --diloco_inner_steps at its own offset, so that a round every H / F inner "
+            "steps sends one fragment (Streaming DiLoCo); a global step is then one fragment's round. The other "
+            "fragments go as zeros, a few bytes a part."
+        },
+    )
+
+    def __post_init__(self):
+        if not 0 < self.sparse_density <= 1 or self.sparse_chunk_size < 1 or not 0 <= self.error_feedback_decay <= 1:
+            raise ValueError(
+                f"--sparse_density must be in (0, 1], --sparse_chunk_size positive and --error_feedback_decay in "
+                f"[0, 1]; got {self.sparse_density}, {self.sparse_chunk_size}, {self.error_feedback_decay}"
+            )
+        if self.diloco_fragments < 1:
+            raise ValueError(f"--diloco_fragments must be at least 1, got {self.diloco_fragments}")

@@ -4,7 +4,7 @@ aux peer and the trainer's own switches."""
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
-from sahajbert.flags.averaging import AveragingArguments, CollaborativeOptimizerArguments
+from sahajbert.flags.averaging import AveragingArguments, CollaborativeOptimizerArguments, SparseDiLoCoArguments
 from sahajbert.flags.data import CorpusArguments
 from sahajbert.flags.swarm import SwarmArguments
 from sahajbert.flags.training import LocalTrainingArguments, ModelArguments
@@ -22,6 +22,7 @@ class PeerArguments:
     swarm_args: SwarmArguments = field(default_factory=SwarmArguments)
     averaging_args: AveragingArguments = field(default_factory=AveragingArguments)
     optimizer_args: CollaborativeOptimizerArguments = field(default_factory=CollaborativeOptimizerArguments)
+    sparse_args: SparseDiLoCoArguments = field(default_factory=SparseDiLoCoArguments)
     model_args: ModelArguments = field(default_factory=ModelArguments)
     training_args: LocalTrainingArguments = field(default_factory=LocalTrainingArguments)
     corpus_args: CorpusArguments = field(default_factory=CorpusArguments)
@@ -31,10 +32,21 @@ class PeerArguments:
         SwarmArguments,
         AveragingArguments,
         CollaborativeOptimizerArguments,
+        SparseDiLoCoArguments,
         ModelArguments,
         LocalTrainingArguments,
         CorpusArguments,
     )
+
+    def __post_init__(self):
+        optimizer, fragments = self.optimizer_args, self.sparse_args.diloco_fragments
+        if fragments > 1 and (
+            optimizer.pseudo_gradient_compression != "sparse" or fragments > optimizer.diloco_inner_steps
+        ):
+            raise ValueError(
+                f"--diloco_fragments {fragments} needs --pseudo_gradient_compression sparse and at most "
+                f"--diloco_inner_steps fragments (got {optimizer.diloco_inner_steps})"
+            )
 
 
 @dataclass

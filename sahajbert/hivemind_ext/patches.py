@@ -7,6 +7,7 @@ afterwards (the DHT process, the averagers) use ours. Nothing here runs at impor
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hivemind.averaging import allreduce as _averaging_allreduce
 from hivemind.averaging import averager as _averaging_averager
 from hivemind.compression import serialization as _serialization
 from hivemind.dht import node as _dht_node
@@ -14,7 +15,12 @@ from hivemind.dht import protocol as _dht_protocol
 from hivemind.p2p import P2P
 
 from sahajbert.hivemind_ext.averaging.matchmaking import GuardedMatchmaking
-from sahajbert.hivemind_ext.compression import Quantile8Bit, Uniform8Bit
+from sahajbert.hivemind_ext.compression import (
+    Quantile8Bit,
+    Uniform8Bit,
+    deserialize_tensor_part,
+    serialize_tensor_part,
+)
 from sahajbert.hivemind_ext.dht.protocol import BoundedDHTProtocol
 from sahajbert.hivemind_ext.dht.storage import BoundedLocalStorage
 from sahajbert.hivemind_ext.p2p import _bounded_receive_raw_data, make_process_args
@@ -48,6 +54,20 @@ PATCHES = (
         "QUANTILE_8BIT",
         Quantile8Bit,
         "hivemind/compression/quantization.py: Quantile8BitQuantization, likewise",
+    ),
+    Patch(
+        _averaging_allreduce,
+        "deserialize_torch_tensor",
+        lambda: deserialize_tensor_part,
+        "hivemind/averaging/allreduce.py: deserialize_torch_tensor as AllReduceRunner reads parts and averages: it "
+        "knows hivemind's wire types only, not SparseParts'",
+    ),
+    Patch(
+        _averaging_allreduce,
+        "serialize_torch_tensor",
+        lambda: serialize_tensor_part,
+        "hivemind/averaging/allreduce.py: serialize_torch_tensor as AllReduceRunner sends an average back in the "
+        "part's wire type: likewise",
     ),
     Patch(
         P2P,

@@ -467,18 +467,25 @@ class GuardedStateAverager(GuardedAverager, TrainingStateAverager):
     # DiLoCo with overlap: the model's parameters when its outer round was sent; set while that round's outer step is
     # applied, so that the model keeps the inner progress it made since (see DiLoCoOptimizer)
     progress_since: list[torch.Tensor] | None = None
+    # the parameters (indices into main_parameters) an outer step applies, None: all (Streaming DiLoCo's fragments)
+    apply_only: set[int] | None = None
 
     @torch.no_grad()
     def _apply_optimizer_parameters_(self):
         """Extends hivemind 1.1.12's TrainingStateAverager._apply_optimizer_parameters_ (hivemind/optim/
         state_averager.py), which it calls without `progress_since`. hivemind copies the outer (offloaded) parameters
         into the model; with `progress_since`, the model moves by as much as the outer step moved them from where the
-        round was sent: new outer + (model - sent)."""
-        if self.progress_since is None:
+        round was sent: new outer + (model - sent); with `apply_only`, only those parameters do."""
+        if self.progress_since is None and self.apply_only is None:
             return super()._apply_optimizer_parameters_()
         offloaded = [param for group in self.optimizer.param_groups for param in group["params"]]
-        for model_param, outer_param, sent in zip(self.main_parameters, offloaded, self.progress_since, strict=True):
-            model_param.add_(outer_param.to(model_param.device) - sent)
+        for index, (model_param, outer_param) in enumerate(zip(self.main_parameters, offloaded, strict=True)):
+            if self.apply_only is not None and index not in self.apply_only:
+                continue  # another fragment's: its inner progress stays in the model until its own round
+            if self.progress_since is None:
+                model_param.copy_(outer_param.to(model_param.device))
+            else:
+                model_param.add_(outer_param.to(model_param.device) - self.progress_since[index])
 
     def state_template(self):
         """This peer's own state as it would serve it (`get_current_state`), for checking a downloaded one."""

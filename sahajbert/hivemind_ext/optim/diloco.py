@@ -54,7 +54,11 @@ class DiLoCoOptimizer(GuardedOptimizer):
     waits for every other trainer to make theirs (its round starts as soon as the group holds all of them), 0: the
     peers that are ready go on within the matchmaking time; `last_step`: the run's last global step (--max_steps;
     None: none), at which no outer round starts (with overlap, the inner steps made after the last round stay in the
-    model for the final parameter round).
+    model for the final parameter round); `sparse`: None, or SparseLoCo's rounds (sahajbert.sparse.SparseRounds): it
+    turns each pseudo-gradient, in place, into what this peer sends of it (`compress_`), puts the rest back into the
+    model after the outer step (`keep_in_`), and names the `fragments` the rounds take turns at (Streaming DiLoCo: a
+    round every H / F inner steps, of the tensors `fragment_at` the step it starts from); checkpoints keep its
+    `state_dict` and the outer parameters under "diloco".
     """
 
     def __init__(
@@ -66,14 +70,22 @@ class DiLoCoOptimizer(GuardedOptimizer):
         wait: float,
         overlap: bool = False,
         last_step: int | None = None,
+        sparse=None,
         **kwargs,
     ):
         # copies: a torch optimizer writes its settings into the groups it is given, and the outer one gets them too
         self.inner = inner_optimizer([dict(group) for group in kwargs["params"]])
+        fragments = sparse.fragments if sparse is not None else 1
+        if not 1 <= fragments <= inner_steps:
+            raise ValueError(f"DiLoCo's fragments must be from 1 to its inner steps ({inner_steps}), got {fragments}")
+        # with fragments, a round every H / F inner steps, each of one fragment: each fragment's every H
+        self.fragments = fragments
+        inner_steps //= fragments
         self.inner_lr, self.inner_steps, self.wait, self.overlap = inner_lr, inner_steps, wait, overlap
         # with overlap: the most inner steps an outer step takes while its round in flight waits for a slower peer
         self.most_inner_steps = inner_steps + max(1, inner_steps // 10)
         self.last_step = last_step
+        self.sparse = sparse
         self.inner_step = 0  # inner steps since the last outer step
         self.round_samples = 0  # samples behind them
         self.inner_step_seconds = 0.0  # in inner optimizer steps, until `take_inner_step_seconds`
@@ -96,6 +108,18 @@ class DiLoCoOptimizer(GuardedOptimizer):
             target_batch_size=NEVER,  # samples never start an outer round: the inner steps do
         )
         super().__init__(**kwargs)
+        sizes = [p.numel() for p in self.state_averager.main_parameters]
+        if fragments > len(sizes):
+            raise ValueError(
+                f"DiLoCo's {fragments} fragments need as many parameter tensors; the model has {len(sizes)}"
+            )
+        self.fragment_of = split_into_fragments(sizes, fragments)
+
+    def fragment_at(self, step: int) -> set[int] | None:
+        """The parameters (indices into the model's) whose round starts from global step `step`; None: all."""
+        if self.fragments == 1:
+            return None
+        return {index for index, fragment in enumerate(self.fragment_of) if fragment == step % self.fragments}
 
     @torch.no_grad()
     def _initialize_inner_state(self):
@@ -199,8 +223,19 @@ class DiLoCoOptimizer(GuardedOptimizer):
         # the new step is published with the next inner step's report (`_report_progress`), except the run's last,
         # after which there is no inner step
         last = self.last_step is not None and self.local_epoch + 1 >= self.last_step
-        with self.tracker.reports_held(not (last or self.auxiliary)):
-            super()._update_global_epoch(grad_scaler)
+        # an outer step of a fragment's round moves that fragment of the model only
+        in_outer_step = self.own_pseudo_gradient is not None
+        fragment = self.fragment_at(self.local_epoch) if in_outer_step else None
+        self.state_averager.apply_only = fragment
+        try:
+            with self.tracker.reports_held(not (last or self.auxiliary)):
+                super()._update_global_epoch(grad_scaler)
+        finally:
+            self.state_averager.apply_only = None
+        if in_outer_step and self.sparse is not None:
+            # the model, now at the swarm's new parameters, takes back what this peer did not send
+            with torch.no_grad():
+                self.sparse.keep_in_(self.state_averager.main_parameters, only=fragment)
 
     def _read_ahead(self) -> None:
         """Halfway through a round, ask for the fresh read of the swarm's progress (its peers, its step) that the
@@ -278,9 +313,15 @@ class DiLoCoOptimizer(GuardedOptimizer):
     def _outer_step(self) -> None:
         if self.last_step is not None and self.local_epoch >= self.last_step:
             return  # the run has ended: the trainer stops at this step
-        outer = [p for group in self.state_averager.optimizer.param_groups for p in group["params"]]
-        for model_param, outer_param in zip(self.state_averager.main_parameters, outer):
-            model_param.grad = outer_param.to(model_param.device) - model_param
+        outer = self._outer_parameters()
+        fragment = self.fragment_at(self.local_epoch)
+        for index, (model_param, outer_param) in enumerate(zip(self.state_averager.main_parameters, outer)):
+            if fragment is None or index in fragment:
+                model_param.grad = outer_param.to(model_param.device) - model_param
+            else:  # another fragment's: sent as zeros (a few bytes a part, sparse), its outer parameters unmoved
+                model_param.grad = torch.zeros_like(model_param)
+        if self.sparse is not None:  # what this peer sends of its pseudo-gradient; it keeps the rest
+            self.sparse.compress_([p.grad for p in self.state_averager.main_parameters], only=fragment)
         self.grad_averager.reset_accumulated_grads_()
         self.grad_averager.accumulate_grads_(self.round_samples)  # once: the pseudo-gradient, weighted by samples
         peers = self.tracker.global_progress.num_peers
@@ -324,6 +365,17 @@ class DiLoCoOptimizer(GuardedOptimizer):
             self.state_averager.progress_since = self.sent_parameters = self.own_pseudo_gradient = None
             if self.next_round is not None:  # the next round's group, looked for meanwhile, is the one to use
                 self.scheduled_grads, self.next_round = self.next_round, None
+
+    def _load_averaged_gradients_into_optimizer_(self):
+        # a round's average holds the fragment this peer sent, and another fragment where a peer one step off (a
+        # newcomer, a round awaited late) sent that: this peer's outer step moves its own fragment only
+        fragment = self.fragment_at(self.local_epoch) if self.own_pseudo_gradient is not None else None
+        if fragment is not None:
+            with torch.no_grad():
+                for index, outer in enumerate(self._outer_parameters()):
+                    if index not in fragment and outer.grad is not None:
+                        outer.grad.zero_()
+        super()._load_averaged_gradients_into_optimizer_()
 
     def _begin_averaging_gradients(self, grad_scaler) -> bool:
         # with overlap the round in flight was begun when it was sent (`_outer_step`); `finish_round_in_flight`'s
@@ -381,6 +433,10 @@ class DiLoCoOptimizer(GuardedOptimizer):
     def state_dict(self) -> dict:
         state = super().state_dict()
         state["diloco"] = self.inner_state_dict()
+        if self.sparse is not None:
+            # the model holds what this peer has not sent: the outer parameters are not the model's, and are kept
+            state["diloco"]["error_feedback"] = self.sparse.state_dict()
+            state["diloco"]["outer_parameters"] = [p.detach().clone() for p in self._outer_parameters()]
         return state
 
     def load_state_dict(self, state_dict: dict):
@@ -388,4 +444,27 @@ class DiLoCoOptimizer(GuardedOptimizer):
         result = super().load_state_dict(state_dict)
         if diloco is not None:
             self.load_inner_state_dict(diloco)
+            if self.sparse is not None and "error_feedback" in diloco:
+                self.sparse.load_state_dict(diloco["error_feedback"])
+                with torch.no_grad():
+                    for outer, saved in zip(self._outer_parameters(), diloco["outer_parameters"], strict=True):
+                        outer.copy_(torch.as_tensor(saved))
         return result
+
+    def _outer_parameters(self) -> list[torch.Tensor]:
+        """The outer parameters: the state averager's host copies, which its optimizer steps."""
+        return [p for group in self.state_averager.optimizer.param_groups for p in group["params"]]
+
+
+def split_into_fragments(sizes: list[int], fragments: int) -> list[int]:
+    """Each tensor's fragment (0 .. fragments - 1): consecutive tensors, about as many values in each fragment
+    (Streaming DiLoCo's fragments are consecutive layers). Every fragment holds at least one tensor."""
+    total, done, owner = sum(sizes), 0, []
+    for index, size in enumerate(sizes):
+        previous = owner[-1] if owner else -1
+        # the fragment of the tensor's middle value; none skipped, and none left without a tensor
+        fragment = int((done + size / 2) * fragments / max(1, total))
+        fragment = min(fragment, previous + 1, fragments - 1)
+        owner.append(max(fragment, previous, fragments - (len(sizes) - index)))
+        done += size
+    return owner

@@ -120,10 +120,14 @@ class LastGoodState:
     def restore(self) -> None:
         parameters, optimizer_state, local_state = self.good
         main, offloaded = self._tensors()
-        # with offload_optimizer the optimizer steps host copies of the model's parameters: both are restored
+        # with offload_optimizer the optimizer steps host copies of the model's parameters: both are restored, except
+        # DiLoCo's outer parameters, which differ from the model (its inner steps, its unsent rest) and change only
+        # in an outer step: restored only where not finite
+        outer_apart = not getattr(self.optimizer, "model_is_outer", True)
         for saved, target, copy_ in zip(parameters, main, offloaded):
             target.copy_(saved)
-            copy_.copy_(saved)
+            if not outer_apart or not is_finite([copy_]):
+                copy_.copy_(saved)
         self.optimizer.opt.load_state_dict(copy.deepcopy(optimizer_state))
         self.optimizer.restore_local_state(local_state)
 

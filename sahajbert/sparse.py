@@ -13,9 +13,9 @@ DiLoCo reached 6.5; with the rest kept in the model, 6.58). The error feedback p
 momentum, so the outer step is plain SGD on the averaged sparse updates.
 
 The trainers' models then differ by what each has not sent (the outer parameters agree); the final parameter
-round averages them. The buffer (`buffers`, decay x the rest) is this trainer's own: it is not averaged, a newcomer
-does not download it (it starts from the swarm's parameters with none), and a checkpoint keeps it, with the outer
-parameters (which the model no longer equals).
+round averages the models (DiLoCoOptimizer.take_model_into_outer). The buffer (`buffers`, decay x the rest) is this
+trainer's own: it is not averaged, a newcomer does not download it (it starts from the swarm's parameters with
+none), and a checkpoint keeps it, with the outer parameters (which the model no longer equals).
 """
 
 import torch
@@ -50,6 +50,8 @@ class SparseRounds:
         for index, (gradient, buffer) in enumerate(zip(pseudo_gradients, self.buffers, strict=True)):
             if only is not None and index not in only:
                 continue
+            if buffer.device != gradient.device:  # a checkpoint's buffers load on the host
+                buffer = self.buffers[index] = buffer.to(gradient.device)
             if not bool(torch.isfinite(gradient).all()):
                 buffer.zero_()
                 continue
@@ -85,11 +87,18 @@ class SparseRounds:
             levels[:, :larger] = magnitudes[:, :larger].mean(dim=1, keepdim=True)
             if kept > larger:
                 levels[:, larger:] = magnitudes[:, larger:].mean(dim=1, keepdim=True)
-            levels = levels.to(torch.float16).to(flat.dtype)
+            # fp16 on the wire: rounded to it here, and kept finite (a rest past its range stays in the model)
+            levels = levels.clamp(max=torch.finfo(torch.float16).max).to(torch.float16).to(flat.dtype)
             values = torch.sign(piece.gather(1, positions)) * levels
             end = start + piece.numel()
             sent[start:end].view_as(piece).scatter_(1, positions, values)
         return sent.view_as(tensor)
+
+    def clear(self) -> None:
+        """Nothing kept any more (the model's rest went into the outer parameters: the final parameter round)."""
+        if self.buffers is not None:
+            for buffer in self.buffers:
+                buffer.zero_()
 
     def state_dict(self) -> dict:
         return {"buffers": None if self.buffers is None else [b.clone() for b in self.buffers]}

@@ -33,7 +33,7 @@ MODULE_SECONDS = {
     "test_netswarm": 175,
     "test_access": 150,
     "test_bounds": 110,
-    "test_diloco": 110,
+    "test_diloco": 230,
     "test_training_parts": 90,
     "test_finetune": 75,
     "test_outsider": 140,

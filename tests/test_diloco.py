@@ -169,14 +169,21 @@ def test_sparse_diloco_trainers_learn_agree_take_in_a_newcomer_and_keep_their_er
     assert [step for step, _ in finals] == [SPARSE_STEPS] * 3
     agree, difference = checkpoints_agree([checkpoint for _, checkpoint in finals])
     assert agree, difference
-    # each trainer's checkpoint keeps its own error-feedback buffer: a value for every parameter, what it did not send
+    # each trainer's checkpoint of the step before the last keeps its own error-feedback buffer (what it had not
+    # sent: a value for every parameter) and the outer parameters, which its model is not
     model = load_model(finals[0][1])
-    buffers = [load_optimizer_state(c)["diloco"]["error_feedback"]["buffers"] for _, c in finals]
-    for own_buffers in buffers:
+    before_last = [dict(list_checkpoints(tmp_path / name))[SPARSE_STEPS - 1] for name in own]
+    states = [load_optimizer_state(checkpoint)["diloco"] for checkpoint in before_last]
+    for state in states:
+        buffers = state["error_feedback"]["buffers"]
         # (in the optimizer's order: the parameter groups with and without weight decay)
-        assert sorted(b.shape for b in own_buffers) == sorted(p.shape for p in model.parameters())
-        assert all(torch.isfinite(b).all() for b in own_buffers) and any(b.abs().sum() > 0 for b in own_buffers)
-    assert not torch.equal(buffers[0][0], buffers[1][0])  # its own, not the swarm's
+        assert sorted(b.shape for b in buffers) == sorted(p.shape for p in model.parameters())
+        assert all(torch.isfinite(b).all() for b in buffers) and any(b.abs().sum() > 0 for b in buffers)
+        assert len(state["outer_parameters"]) == len(buffers)
+    assert not torch.equal(states[0]["error_feedback"]["buffers"][0], states[1]["error_feedback"]["buffers"][0])
+    # the final parameter round averaged the models, each with its rest: none is kept after it
+    for _, checkpoint in finals:
+        assert not any(b.any() for b in load_optimizer_state(checkpoint)["diloco"]["error_feedback"]["buffers"])
     aux_step, aux_checkpoint = list_checkpoints(tmp_path / "aux")[-1]
     assert aux_step >= 3 and all(torch.isfinite(t).all() for t in load_model(aux_checkpoint).state_dict().values())
     logs = [train_log(tmp_path / name) for name in own]

@@ -1,6 +1,7 @@
 """SparseLoCo's pseudo-gradients (--pseudo_gradient_compression sparse): the error feedback, the wire codec of sparse
 parts, and a round of real averagers exchanging them."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -88,7 +89,7 @@ def test_sparse_parts_travel_exactly_and_small():
     # a buffer whose positions run past its part is refused, not read out of bounds
     wire = codec.compress(one[0])
     wire.size[:] = [1000]
-    with pytest.raises(ValueError, match="positions do not fit"):
+    with pytest.raises(ValueError, match="do not fit|does not fit"):
         deserialize_tensor_part(wire)
 
 
@@ -208,3 +209,45 @@ def test_a_fragment_round_moves_its_fragment_and_keeps_the_others_inner_progress
     finally:
         optimizer.shutdown()
         dht.shutdown()
+
+
+def test_a_rollback_restores_a_sparse_trainers_model_and_keeps_its_outer_parameters(tokenizer):
+    # DiLoCo's outer parameters are not the model (its inner steps, what it has not sent): a rollback of a model gone
+    # non-finite restores the model's last good state and leaves the finite outer parameters as they are
+    from sahajbert.rollback import LastGoodState
+
+    from .test_training_parts import lonely_diloco, train_one_batch
+
+    model, optimizer, dht = lonely_diloco(tokenizer, "sparse-rollback", inner_steps=2, compression="sparse")
+    try:
+        for _ in range(3):  # a round (alone: on its own pseudo-gradient), then an inner step
+            train_one_batch(model, optimizer)
+        outer = [p.detach().clone() for p in optimizer._outer_parameters()]
+        assert any(not torch.equal(a, b) for a, b in zip(outer, optimizer.state_averager.main_parameters))
+        good = LastGoodState(optimizer, pending_update_timeout=10.0)
+        assert good.keep_or_roll_back()
+        saved = [p.detach().clone() for p in model.parameters()]
+        with torch.no_grad():
+            next(model.parameters()).fill_(float("nan"))
+        assert not good.keep_or_roll_back()
+        assert all(torch.equal(a, b) for a, b in zip(saved, model.parameters()))
+        assert all(torch.equal(a, b) for a, b in zip(outer, optimizer._outer_parameters()))
+    finally:
+        optimizer.shutdown()
+        dht.shutdown()
+
+
+def test_a_crafted_sparse_part_is_refused_before_its_size_is_allocated():
+    codec = SparseParts()
+    honest = codec.compress(torch.zeros(1000))
+    # a header claiming 30 million non-zeros in a 48-byte buffer, a chunk size of 0, a part of 2^30 values
+    for header in ([1, 4096, 30_000_000, 8, 0, 0], [1, 0, 0, 1, 0, 0]):
+        crafted = codec.compress(torch.zeros(1000))
+        crafted.buffer = np.array(header, dtype=np.int64).tobytes()
+        with pytest.raises(ValueError, match="does not fit|not one"):
+            deserialize_tensor_part(crafted)
+    huge = codec.compress(torch.zeros(1000))
+    huge.size[:] = [2**30]  # 4 GiB of fp32, with no value in its buffer
+    with pytest.raises(ValueError, match="is not one this peer sends"):
+        deserialize_tensor_part(huge)
+    assert torch.equal(deserialize_tensor_part(honest), torch.zeros(1000))

@@ -55,6 +55,9 @@ class Quantile8Bit(_FixedExtract, Quantile8BitQuantization):
 # `patches` teaches the all-reduce's serialize and deserialize it
 SPARSE_WIRE_TYPE = 64
 SPARSE_CHUNK = 4096  # values per codebook: each chunk's distinct non-zero values are listed once
+PART_RATIO = 1 / 16  # the compression ratio hivemind sizes the parts by (`SparseParts.estimate_compression_ratio`)
+# the most values a part may declare: a receiver allocates its part before it checks its shape
+MOST_PART_VALUES = 2**22
 _DENSE, _SPARSE = 0, 1  # layouts
 _HEADER = 6  # int64 values: layout, chunk, non-zeros, bits, gap bytes, chunks with non-zeros
 
@@ -74,9 +77,10 @@ class SparseParts(CompressionBase):
         self.density = density
 
     def estimate_compression_ratio(self, info) -> float:
-        # an averaged part sent back holds up to a few contributions' non-zeros, in up to 2 bytes each: parts sized
-        # for that stay far below the stream bound even when they arrive dense (fp16: 2 bytes a value)
-        return min(1.0, max(4 * self.density, 1 / 16))
+        # hivemind cuts each tensor into parts of 2^19 bytes / (4 x this) values: 2^21 values, whatever the density
+        # (peers that cut differently cannot average: their parts' shapes differ), which stay under the stream bound
+        # even when they arrive dense (fp16: 4 MiB)
+        return PART_RATIO
 
     def compress(self, tensor: torch.Tensor, info=None, allow_inplace: bool = False):
         values = tensor.detach().to(torch.float16).flatten().numpy()
@@ -133,24 +137,45 @@ def _encode_sparse(values: np.ndarray) -> bytes:
 
 
 def _decode_sparse(buffer: bytes, size: int) -> np.ndarray:
-    layout, chunk, count, bits, gap_length, chunk_count = np.frombuffer(buffer, dtype=np.int64, count=_HEADER)
+    """The values of a part of `size` values; ValueError, before anything of its size is allocated, for a buffer that
+    does not hold one (any sender may write anything there)."""
+    if not 0 <= size <= MOST_PART_VALUES or len(buffer) < _HEADER * 8:
+        raise ValueError(f"a sparse part of {size} values, in {len(buffer)} bytes, is not one this peer sends")
+    layout, chunk, count, bits, gap_length, chunk_count = (
+        int(v) for v in np.frombuffer(buffer, dtype=np.int64, count=_HEADER)
+    )
     offset = _HEADER * 8
     if layout == _DENSE:
+        if len(buffer) - offset < 2 * size:
+            raise ValueError("a dense part's buffer is shorter than its values")
         return np.frombuffer(buffer, dtype=np.float16, offset=offset, count=size).copy()
+    room = len(buffer) - offset  # bytes after the header
+    if (
+        layout != _SPARSE
+        or chunk != SPARSE_CHUNK
+        or not 0 <= count <= size
+        or not 1 <= bits <= 8
+        or not 0 <= chunk_count <= count
+        or not count <= gap_length <= room
+        or room - gap_length < chunk_count + count * bits / 8
+    ):
+        raise ValueError("a sparse part's header does not fit its buffer")
     gap_bytes = np.frombuffer(buffer, dtype=np.uint8, offset=offset, count=gap_length)
     offset += int(gap_length)
     counts = np.frombuffer(buffer, dtype=np.uint8, offset=offset, count=chunk_count).astype(np.int64) + 1
     offset += int(chunk_count)
+    if len(buffer) - offset < 2 * int(counts.sum()) + count * bits / 8:
+        raise ValueError("a sparse part's codebooks do not fit its buffer")
     codebook = np.frombuffer(buffer, dtype=np.float16, offset=offset, count=int(counts.sum()))
     offset += codebook.nbytes
     packed = np.frombuffer(buffer, dtype=np.uint8, offset=offset)
-    bit_values = np.unpackbits(packed, count=int(count * bits), bitorder="little").reshape(int(count), int(bits))
-    codes = bit_values.astype(np.int64) @ (1 << np.arange(int(bits), dtype=np.int64))
+    bit_values = np.unpackbits(packed, count=count * bits, bitorder="little").reshape(count, bits)
+    codes = bit_values.astype(np.int64) @ (1 << np.arange(bits, dtype=np.int64))
     # the sum of a gap's bytes is the gap, so each position is the running sum at its last byte, less one
     positions = np.cumsum(gap_bytes, dtype=np.int64)[gap_bytes < 255] - 1
     if len(positions) != count or (count and (positions[-1] >= size or positions.min() < 0)):
         raise ValueError(f"a sparse part's positions do not fit its {size} values")
-    chunks = positions // int(chunk)
+    chunks = positions // chunk
     book_chunks = np.unique(chunks)
     if len(book_chunks) != chunk_count:
         raise ValueError("a sparse part's codebooks do not match its chunks")

@@ -248,6 +248,8 @@ def start_parameter_round(
     for scheduled in (optimizer.scheduled_state, optimizer.scheduled_grads):
         if still_matching(scheduled):
             cancel_round(scheduled)
+    if not getattr(optimizer, "model_is_outer", True):  # DiLoCo: the round averages the models, not the outer step's
+        optimizer.take_model_into_outer()
     averager = optimizer.state_averager
     averager.set_group_bits(group_bits)
     if group_size is not None:

@@ -136,6 +136,7 @@ class DiLoCoOptimizer(GuardedOptimizer):
     # ---- the questions of the trainer's loop, answered for DiLoCo's rounds ----
 
     steps_change_parameters = True  # every inner step does
+    model_is_outer = False  # the model holds its inner steps (and with sparse, what it did not send) beyond them
     samples_start_steps = False  # each peer's H-th inner step starts the outer round, whatever the swarm's samples
 
     def step_would_be_global(self, batch_size: int) -> bool:
@@ -396,6 +397,16 @@ class DiLoCoOptimizer(GuardedOptimizer):
             for target, own in zip(averaged, self.own_pseudo_gradient):
                 target.copy_(own)
         self._load_averaged_gradients_into_optimizer_()
+
+    @torch.no_grad()
+    def take_model_into_outer(self) -> None:
+        """Before the final parameter round, which averages the outer parameters: make them the model's, so that the
+        swarm's final model holds each trainer's inner steps since its last round (with overlap) and what it had not
+        sent (sparse), which its outer parameters lack; what it had not sent is then in them (its buffers zero)."""
+        for outer, model_param in zip(self._outer_parameters(), self.state_averager.main_parameters, strict=True):
+            outer.copy_(model_param.to(outer.device))
+        if self.sparse is not None:
+            self.sparse.clear()
 
     def load_state_from_peers(self, **kwargs):
         self.finish_round_in_flight()  # its result lands in the tensors the download replaces

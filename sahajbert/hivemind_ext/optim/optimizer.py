@@ -90,6 +90,8 @@ class GuardedOptimizer(hivemind.Optimizer):
     steps_change_parameters = False
     # the swarm's samples start a global step: the swarm's pace, in samples/s, sets the time between global steps
     samples_start_steps = True
+    # the optimizer's (offloaded) parameters are the model's between global steps: a rollback restores both alike
+    model_is_outer = True
 
     @property
     def round_in_flight(self) -> bool:

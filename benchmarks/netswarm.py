@@ -309,6 +309,7 @@ def trainer_args(args, run_id: str, initial_peers: list[str], ip: str, output_di
             flags += ["--diloco_overlap"]
         flags += ["--pseudo_gradient_compression", args.pseudo_gradient_compression]
         flags += ["--diloco_fragments", str(args.diloco_fragments)]
+        flags += ["--outer_lr", str(args.outer_lr)] if args.outer_lr is not None else []
     return flags + (["--client_mode"] if client else [])
 
 
@@ -855,6 +856,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--diloco_fragments", type=int, default=1, help="DiLoCo: every trainer's --diloco_fragments (needs sparse)"
     )
+    parser.add_argument("--outer_lr", type=float, default=None, help="DiLoCo: every trainer's --outer_lr")
     parser.add_argument("--learning_rate", type=float, default=None, help="every trainer's --learning_rate")
     parser.add_argument("--total_steps", type=int, default=None, help="every trainer's --total_steps (schedule)")
     parser.add_argument(

@@ -355,9 +355,9 @@ async def flood_part_streams(info: dict) -> dict:
             done |= finished
         another = await first_answer(other, peer, streams)
         if another == CLOSED:
-            # once more: on a loaded machine the other peer's first stream to the target can break in its setup
-            # (the control, hivemind's averager, which answers every stream at once, read so in a CI run); a target
-            # that refuses the other peer's streams refuses this one too
+            # once more: on a loaded machine the other peer's first stream to the target can break in its setup,
+            # also to the control (hivemind's averager, which answers every stream); a target that refuses the other
+            # peer's streams refuses this one too
             another = await first_answer(other, peer, streams)
         answers = await asyncio.gather(*flood)
         for stream in streams:

@@ -478,8 +478,6 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
             swarm_step = max((r.step for name in trainers for r in read_train_log(workdir / name)[-1:]), default=0)
             if start_bytes is None and all(TRAINING.search(p.output()) for p in trainers.values()):
                 start_bytes = {ns: net.tx_bytes(ns) for ns, _ in [*hosts.values(), first_host]}
-            if start_bytes is not None and before_final is None and swarm_step >= args.max_steps:
-                before_final = sum(net.tx_bytes(ns) - start_bytes[ns] for ns, _ in hosts.values())
             if start_bytes is not None and before_final is None and swarm_step > step_seen:
                 # each trainer's bytes per global step since the last step change this poll saw (a step's round,
                 # and the DHT's chatter meanwhile): the largest is the run's max_round_bytes
@@ -489,6 +487,8 @@ def run_scenario(args, workdir: Path, tag: str) -> dict:
                     per_step = max((now[ns] - bytes_seen[ns]) / steps_between for ns in now)
                     max_round_bytes = max(max_round_bytes, per_step)
                 step_seen, bytes_seen = swarm_step, now
+            if start_bytes is not None and before_final is None and swarm_step >= args.max_steps:
+                before_final = sum(net.tx_bytes(ns) - start_bytes[ns] for ns, _ in hosts.values())
             due = (args.churn_every and time.time() >= next_churn) or (
                 args.churn_every_steps and swarm_step >= next_churn_step
             )

@@ -121,6 +121,10 @@ class DiLoCoOptimizer(GuardedOptimizer):
             return None
         return {index for index, fragment in enumerate(self.fragment_of) if fragment == step % self.fragments}
 
+    def _outer_step_fragment(self) -> set[int] | None:
+        """The fragment of the outer step being made (None: all of them, or no outer step: an aux peer's round)."""
+        return self.fragment_at(self.local_epoch) if self.own_pseudo_gradient is not None else None
+
     @torch.no_grad()
     def _initialize_inner_state(self):
         """Create the inner optimizer's state now (zeros, as its first step would), in the order it is shared; its
@@ -226,7 +230,7 @@ class DiLoCoOptimizer(GuardedOptimizer):
         last = self.last_step is not None and self.local_epoch + 1 >= self.last_step
         # an outer step of a fragment's round moves that fragment of the model only
         in_outer_step = self.own_pseudo_gradient is not None
-        fragment = self.fragment_at(self.local_epoch) if in_outer_step else None
+        fragment = self._outer_step_fragment()
         self.state_averager.apply_only = fragment
         try:
             with self.tracker.reports_held(not (last or self.auxiliary)):
@@ -370,7 +374,7 @@ class DiLoCoOptimizer(GuardedOptimizer):
     def _load_averaged_gradients_into_optimizer_(self):
         # a round's average holds the fragment this peer sent, and another fragment where a peer one step off (a
         # newcomer, a round awaited late) sent that: this peer's outer step moves its own fragment only
-        fragment = self.fragment_at(self.local_epoch) if self.own_pseudo_gradient is not None else None
+        fragment = self._outer_step_fragment()
         if fragment is not None:
             with torch.no_grad():
                 for index, outer in enumerate(self._outer_parameters()):

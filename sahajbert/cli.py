@@ -355,7 +355,12 @@ def parse_args(
             built[cls] = cls(**{name: value for name, value in values.items() if name in names})
         except (ValueError, TypeError) as e:
             raise UserError(str(e).strip().splitlines()[0]) from e
-    return tuple(t(*(built[group] for group in t.GROUPS)) if hasattr(t, "GROUPS") else built[t] for t in flags.groups)
+    try:  # a composite's own validation: settings of two groups that do not go together
+        return tuple(
+            t(*(built[group] for group in t.GROUPS)) if hasattr(t, "GROUPS") else built[t] for t in flags.groups
+        )
+    except (ValueError, TypeError) as e:
+        raise UserError(str(e).strip().splitlines()[0]) from e
 
 
 def help_text(flags: Flags, prog: str) -> str:

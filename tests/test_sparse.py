@@ -93,6 +93,13 @@ def test_sparse_parts_travel_exactly_and_small():
         deserialize_tensor_part(wire)
 
 
+def test_fragments_without_sparse_pseudo_gradients_are_one_line_from_the_command_line():
+    from sahajbert.cli import UserError, parse_args
+
+    with pytest.raises(UserError, match="needs --pseudo_gradient_compression sparse"):
+        parse_args([PeerArguments], ["--diloco_inner_steps", "10", "--diloco_fragments", "2"])
+
+
 def test_sparse_flags():
     sparse = CollaborativeOptimizerArguments(diloco_inner_steps=10, pseudo_gradient_compression="sparse")
     assert sparse.outer_lr == 2.0 and SparseDiLoCoArguments().sparse_density == 1 / 64

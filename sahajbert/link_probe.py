@@ -128,7 +128,11 @@ async def _measure(_dht, node, peer_id: PeerID, seconds: float) -> LinkEstimate 
     an exception raised in its process as an error with its traceback, two tracebacks on a trainer's terminal for a
     probe that it tries again anyway."""
     try:
-        return await kept_alive(_measure_now(p2p_of(node), peer_id, seconds))
+        # bounded: a stream whose other end stalls (a busy peer; a close the daemon never passes on) fails the
+        # measurement, which the caller tries again, instead of leaving its future unresolved for good
+        return await asyncio.wait_for(kept_alive(_measure_now(p2p_of(node), peer_id, seconds)), PROBE_TIMEOUT)
+    except asyncio.TimeoutError:
+        return ProbeFailed(f"no answer within {PROBE_TIMEOUT:.0f} s")
     except Exception as e:
         return ProbeFailed(_describe(e))
 

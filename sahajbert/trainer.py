@@ -18,7 +18,7 @@ from accelerate import PartialState
 
 from sahajbert import adaptive, checkpoints
 from sahajbert.cli import UserError
-from sahajbert.compute import build_compute
+from sahajbert.compute import Compute, build_compute
 from sahajbert.devices import DeviceInfo, choose_precision, describe_device
 from sahajbert.ending import Ending
 from sahajbert.flags import PeerArguments
@@ -116,10 +116,8 @@ class TrainerPeer(SwarmPeer):
         context = PeerContext(self.optimizer, self.dht, self.public_key, peer_args)
         self.joining = Joining(context, self.timing, self.link)
         self.joining.join(resume_from)
-        self.compute = build_compute(self.model, device_info, precision)
-        seed = peer_seed(peer_args.training_args.seed, self.public_key)
-        on_xla = device_info.kind == "tpu"
-        self.batches: Prefetcher = training_batches(peer_args.corpus_args, self.tokenizer, seed, forward_batch, on_xla)
+        self.compute = self._build_compute(device_info, precision)
+        self.batches = self._build_batches(device_info, forward_batch)
         self._parts.callback(self.batches.close)
         self.good_state = LastGoodState(self.optimizer, pending_update_timeout=self._pending_update_timeout)
         self.train_log = TrainLog(self.output_dir)
@@ -150,6 +148,16 @@ class TrainerPeer(SwarmPeer):
                 raise UserError("--gradient_checkpointing is not supported by this model")
             model.gradient_checkpointing_enable()
         return model.train()
+
+    def _build_compute(self, device_info: DeviceInfo, precision: str) -> Compute:
+        """What runs the forward and backward passes (the device's backend)."""
+        return build_compute(self.model, device_info, precision)
+
+    def _build_batches(self, device_info: DeviceInfo, forward_batch: int) -> Prefetcher:
+        """This peer's own stream of training batches (its seed: the run's, mixed with this peer's key)."""
+        seed = peer_seed(self.args.training_args.seed, self.public_key)
+        on_xla = device_info.kind == "tpu"
+        return training_batches(self.args.corpus_args, self.tokenizer, seed, forward_batch, on_xla)
 
     def close(self) -> None:
         """Stop the stream, then leave the swarm: what construction built, in reverse."""

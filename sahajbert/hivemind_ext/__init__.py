@@ -41,6 +41,7 @@ from sahajbert.hivemind_ext import patches, policy
 from sahajbert.hivemind_ext.averaging.averager import GuardedAverager, GuardedGradientAverager, GuardedStateAverager
 from sahajbert.hivemind_ext.averaging.control import cancel_round, round_peers, round_steps
 from sahajbert.hivemind_ext.dht.process import GuardedDHT, drain_dht_calls
+from sahajbert.hivemind_ext.dht.protocol import requests_served
 from sahajbert.hivemind_ext.optim.accessors import (
     GRADIENT_ROUND_DONE,
     GRADIENT_ROUND_FAILED,
@@ -59,6 +60,7 @@ from sahajbert.hivemind_ext.optim.accessors import (
     position,
     progress_peers,
     report_step,
+    round_ledgers,
     set_bandwidth,
     set_refresh_period,
     set_state_priority,
@@ -134,6 +136,8 @@ __all__ = [
     "partial_rounds",
     "position",
     "report_step",
+    "requests_served",
+    "round_ledgers",
     "request_progress_read",
     "round_peers",
     "round_steps",

@@ -27,6 +27,7 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 
 import sahajbert.hivemind_ext.policy as policy
 from sahajbert.hivemind_ext.averaging.allreduce import RobustAllReduceRunner
+from sahajbert.hivemind_ext.averaging.control import RoundLedger
 from sahajbert.hivemind_ext.refusals import RefusalLog
 
 logger = logging.getLogger(__name__)
@@ -149,6 +150,7 @@ class GuardedAverager:
         # counted in its process, read in the one that made it
         self._partial_rounds = mp.Value("i", 0)  # rounds in which some averaged part did not come back
         self._states_downloaded = mp.Value("i", 0)
+        self.ledger = RoundLedger()  # its matchmakings and all-reduces
         super().__init__(*args, **kwargs)
 
     @property
@@ -158,7 +160,7 @@ class GuardedAverager:
     @matchmaking_kwargs.setter
     def matchmaking_kwargs(self, kwargs: dict) -> None:
         # hivemind builds its Matchmaking (ours: GuardedMatchmaking) from these, in the averager's process
-        self._matchmaking_kwargs = {**kwargs, "distrusted": self._distrusted}
+        self._matchmaking_kwargs = {**kwargs, "distrusted": self._distrusted, "ledger": self.ledger}
 
     def _distrust(self, peer_id: PeerID, why: str) -> None:
         if peer_id not in self._distrusted:
@@ -207,6 +209,7 @@ class GuardedAverager:
         download once the round is done: hivemind's signal after every tensor made one DHT store per tensor, ~100
         in a DiLoCo trainer's final round."""
         group_id = group_info.group_id if group_id is None else group_id
+        started = time.monotonic()
         runner = RobustAllReduceRunner(
             p2p=self._p2p,
             servicer_type=type(self),
@@ -232,7 +235,7 @@ class GuardedAverager:
         if runner.tensor_part_container.failed_size:  # hivemind kept this peer's own values for those parts
             with self._partial_rounds.get_lock():
                 self._partial_rounds.value += 1
-
+        self.ledger.reduced(time.monotonic() - started)
         self._state_updated.set()
 
     @property

@@ -1,5 +1,7 @@
 """The state of one averaging round, read from hivemind's StepControl (`hivemind/averaging/control.py`)."""
 
+import multiprocessing as mp
+
 from hivemind.averaging.control import AveragingStage, StepControl
 
 MATCHING_STAGES = (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
@@ -49,3 +51,41 @@ def round_steps(control: StepControl) -> list[int] | None:
 def round_peers(control: StepControl) -> set[str]:
     """The peers (base58) of a finished round, this one included; empty if it failed, was cancelled or is running."""
     return {peer.to_base58() for peer in control.result()} if round_succeeded(control) else set()
+
+
+class RoundLedger:
+    """An averager's rounds so far, counted in its process (matchmaking, all-reduce) and read in the process that
+    made it: how long finding a group took, how large the groups were, how long their all-reduce ran."""
+
+    FIELDS = (
+        "matchmakings",  # look_for_group calls that ended (a group found or not)
+        "matchmaking_seconds",  # their wall seconds together, from the call to its group (or to giving up)
+        "groups",  # those that found a group (this peer's own included)
+        "group_peers",  # the peers in those groups, together
+        "largest_group",
+        "allreduces",  # all-reduces this averager ran to their end
+        "allreduce_seconds",  # their wall seconds together
+    )
+
+    def __init__(self):
+        self._values = mp.Array("d", len(self.FIELDS))
+
+    def matched(self, seconds: float, group_size: int | None) -> None:
+        self._add(matchmakings=1, matchmaking_seconds=seconds)
+        if group_size is not None:
+            self._add(groups=1, group_peers=group_size)
+            with self._values.get_lock():
+                index = self.FIELDS.index("largest_group")
+                self._values[index] = max(self._values[index], group_size)
+
+    def reduced(self, seconds: float) -> None:
+        self._add(allreduces=1, allreduce_seconds=seconds)
+
+    def _add(self, **amounts: float) -> None:
+        with self._values.get_lock():
+            for name, amount in amounts.items():
+                self._values[self.FIELDS.index(name)] += amount
+
+    def read(self) -> dict[str, float]:
+        with self._values.get_lock():
+            return dict(zip(self.FIELDS, self._values[:]))

@@ -13,6 +13,8 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.timed_storage import MAX_DHT_TIME_DISCREPANCY_SECONDS
 
+from sahajbert.hivemind_ext.averaging.control import RoundLedger
+
 logger = logging.getLogger(__name__)
 
 # the fewest seconds between two reads of a round's group key while this peer looks for a group. hivemind reads it
@@ -65,13 +67,24 @@ class GuardedMatchmaking(Matchmaking):
       have no such peers).
     - A client-mode peer offers to wait for its group until its round's deadline (`get_request_expiration_time`).
     - It reads the DHT for leaders at a pace (`PacedLeaders`).
+    - It counts its matchmakings in the averager's `RoundLedger` (their seconds, the groups' sizes).
     """
 
-    def __init__(self, *args, distrusted: set[PeerID] = frozenset(), **kwargs):
+    def __init__(self, *args, distrusted: set[PeerID] = frozenset(), ledger: RoundLedger | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.distrusted = distrusted
+        self.ledger = ledger
         leaders = self.potential_leaders
         self.potential_leaders = PacedLeaders(leaders.peer_id, leaders.min_matchmaking_time, leaders.target_group_size)
+
+    async def look_for_group(self, step):
+        started, group = time.monotonic(), None
+        try:
+            group = await super().look_for_group(step)
+            return group
+        finally:
+            if self.ledger is not None:
+                self.ledger.matched(time.monotonic() - started, len(group.peer_ids) if group is not None else None)
 
     async def _request_join_group(self, leader: PeerID):
         if leader in self.distrusted:  # also a leader that an honest one's disbanded group redirects this peer to

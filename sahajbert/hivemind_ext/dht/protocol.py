@@ -66,6 +66,14 @@ class BoundedDHTProtocol(DHTProtocol):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self._allowance = _Allowance()
+        # requests this node answered, and their bytes (request and response, as protobuf messages): what the swarm
+        # asks of one peer grows with the swarm (`requests_served`)
+        self.served_requests, self.served_bytes = 0, 0
+
+    def _count(self, request, response):
+        self.served_requests += 1
+        self.served_bytes += request.ByteSize() + response.ByteSize()
+        return response
 
     @classmethod
     def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
@@ -88,14 +96,25 @@ class BoundedDHTProtocol(DHTProtocol):
     async def rpc_ping(self, request: dht_pb2.PingRequest, context: P2PContext) -> dht_pb2.PingResponse:
         # hivemind's rpc_find and rpc_store ping on their caller's behalf, in a task of their own: that ping was
         # admitted with its request (raising in it would only log an unretrieved task exception)
-        if context.handle_name.endswith(".rpc_ping"):
-            self._admit(context, keys=0)
-        return await super().rpc_ping(request, context)
+        if not context.handle_name.endswith(".rpc_ping"):
+            return await super().rpc_ping(request, context)
+        self._admit(context, keys=0)
+        return self._count(request, await super().rpc_ping(request, context))
 
     async def rpc_store(self, request: dht_pb2.StoreRequest, context: P2PContext) -> dht_pb2.StoreResponse:
         self._admit(context, keys=len(request.keys))
-        return await super().rpc_store(request, context)
+        return self._count(request, await super().rpc_store(request, context))
 
     async def rpc_find(self, request: dht_pb2.FindRequest, context: P2PContext) -> dht_pb2.FindResponse:
         self._admit(context, keys=len(request.keys))
-        return await super().rpc_find(request, context)
+        return self._count(request, await super().rpc_find(request, context))
+
+
+async def _served(_dht, node) -> tuple[int, int]:
+    return node.protocol.served_requests, node.protocol.served_bytes
+
+
+def requests_served(dht) -> tuple[int, int]:
+    """DHT requests this peer's node has answered so far, and their bytes (`BoundedDHTProtocol`); read from the DHT
+    process (`DHTNode.protocol`, hivemind 1.1.12)."""
+    return dht.run_coroutine(_served)

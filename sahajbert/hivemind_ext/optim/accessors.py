@@ -271,6 +271,12 @@ def partial_rounds(optimizer: hivemind.Optimizer) -> int:
     return optimizer.state_averager.partial_rounds
 
 
+def round_ledgers(optimizer: hivemind.Optimizer) -> dict[str, dict[str, float]]:
+    """Each averager's rounds so far (`RoundLedger`): "gradients" (DiLoCo: its pseudo-gradients) and "parameters"."""
+    averagers = {"gradients": getattr(optimizer, "grad_averager", None), "parameters": optimizer.state_averager}
+    return {kind: averager.ledger.read() for kind, averager in averagers.items() if averager is not None}
+
+
 def state_taken(optimizer: GuardedOptimizer) -> None:
     """After `take_state_of` brought a state: report this peer's new step, and let a download be due again only a
     refresh period later (hivemind's check that this peer is in sync would otherwise download it once more)."""

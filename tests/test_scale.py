@@ -1,0 +1,57 @@
+"""benchmarks/scale.py: swarms of 4 and 8 simulated trainers (declared compute, a reduced payload) in both modes,
+measured as the benchmark measures its full table."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from sahajbert.localswarm import peer_env
+
+from .swarm_helpers import ROOT
+
+pytestmark = pytest.mark.slow
+
+# what the benchmark's JSON holds for every swarm size (the issue's keys, and what its table prints)
+KEYS = {
+    "peers",
+    "seconds_per_step",
+    "compute_seconds_per_step",
+    "share_of_peers_per_step",
+    "failed_rounds",
+    "dht_requests_per_peer_step",
+    "peak_rss_mib_per_peer",
+    "parameters_agree",
+    "matchmaking_seconds_per_round",
+    "allreduce_seconds_per_round",
+    "mean_group_size",
+    "cpu_cores_per_peer",
+}
+
+
+@pytest.mark.timeout(900)
+def test_swarms_of_4_and_8_simulated_trainers_step_together_and_agree(tmp_path):
+    output = tmp_path / "scale.json"
+    command = [sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--peers", "4", "8", "--payload", "100000"]
+    command += ["--pass_seconds", "0.5", "--passes_per_step", "2", "--steps", "5", "--warmup_steps", "1"]
+    command += ["--output_json", str(output), "--keep_logs", str(tmp_path / "logs")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=840, env=peer_env(), cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(output.read_text())
+    assert [(r["peers"], r["mode"]) for r in results] == [(n, m) for n in (4, 8) for m in ("data-parallel", "diloco")]
+    for result in results:
+        assert KEYS <= set(result), KEYS - set(result)
+        where = f"N={result['peers']} {result['mode']}"
+        # every trainer ended with the same parameters, after global steps that the swarm made together
+        assert result["parameters_agree"], (where, result["max_parameter_difference"])
+        assert result["steps_measured"] >= 2 and 0 < result["share_of_peers_per_step"] <= 1, (where, result)
+        # a step takes at least its declared compute: each peer's passes, slept
+        assert result["compute_seconds_per_step"] >= 2 * 0.5 * 0.99, (where, result)
+        assert result["seconds_per_step"] >= result["compute_seconds_per_step"] * 0.99, (where, result)
+        # rounds formed groups of real peers, counted by the averagers themselves, and the DHT answered requests
+        assert 2 <= result["mean_group_size"] <= result["peers"], (where, result)
+        assert result["allreduce_seconds_per_round"] > 0 and result["dht_requests_per_peer_step"] > 0, (where, result)
+        assert result["peak_rss_mib_per_peer"] > 50 and result["cpu_cores_per_peer"] > 0, (where, result)
+    # the table, with the command that made it
+    assert "python benchmarks/scale.py --peers 4 8" in done.stdout and "| N | mode |" in done.stdout, done.stdout

@@ -28,6 +28,7 @@ and pass --rate KIND=SAMPLES_PER_S; the defaults are estimates, labelled as such
 import argparse
 import itertools
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,9 @@ from sahajbert.adaptive import payload_bytes
 
 # fitted by: python benchmarks/plan_run.py --calibrate <the runs in benchmarks/README.md, "Planning a run">
 CALIBRATED = {"overhead": 0.0, "per_peer": 2.75, "per_client": 2.25, "efficiency": 1.0}
+# the protocol's terms fitted instead on benchmarks/scale.py's data-parallel swarms of 4, 8 and 16 trainers (loopback,
+# benchmarks/README.md "Many peers"): per further peer it costs far less than the 2-3 trainer runs above suggest
+SCALE_FITTED = {**CALIBRATED, "overhead": 2.74, "per_peer": 0.164}
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,9 @@ LINKS = {
     "cloud": Link(1000, 1000, 20),  # a preemptible cloud GPU
     "datacenter": Link(1000, 1000, 1),
 }
+# benchmarks/scale.py's peers: one machine's loopback, whose bytes cost CPU more than time (its all-reduces of a
+# 1M-parameter payload took ~0.05 s)
+LOOPBACK = Link(10_000, 10_000, 0.1)
 
 # samples/s of forward + backward per device, fp16 on GPUs; ESTIMATES for sequence 512 (sahajBERT: ALBERT-large
 # shape, 24 shared layers; XL: hidden 2048), from each device's dense fp16 throughput at about 30% utilization:
@@ -93,14 +100,29 @@ def butterfly_seconds(peers: list[Peer], payload: float) -> float:
     return slowest
 
 
-def step_seconds(peers: list[Peer], parameters: int, target_batch: int, constants: dict, compression: str = "fp16"):
-    """(seconds per global step, compute part, communication part) for this swarm."""
+def growth(peers: int, form: str) -> float:
+    """How the protocol's seconds per step grow with the swarm: "linear" (one term per further peer) or "log2"."""
+    return math.log2(peers) if form == "log2" else float(peers - 1)
+
+
+def step_seconds(
+    peers: list[Peer],
+    parameters: int,
+    target_batch: int,
+    constants: dict,
+    compression: str = "fp16",
+    mode: str = "data-parallel",
+):
+    """(seconds per global step, compute part, communication part) for this swarm. DiLoCo ("diloco"): a global step
+    is an outer step (the target batch: every peer's inner steps), with one 8-bit pseudo-gradient all-reduce."""
     compute = target_batch / sum(p.rate for p in peers)
-    gradient_bytes, state_bytes = payload_bytes(parameters, compression)
-    moving = butterfly_seconds(peers, gradient_bytes) + butterfly_seconds(peers, state_bytes)
+    gradient_bytes, state_bytes = payload_bytes(parameters, "8bit" if mode == "diloco" else compression)
+    moving = butterfly_seconds(peers, gradient_bytes) + (
+        0.0 if mode == "diloco" else butterfly_seconds(peers, state_bytes)
+    )
     communication = (
         constants["overhead"]
-        + constants["per_peer"] * (len(peers) - 1)
+        + constants["per_peer"] * growth(len(peers), constants.get("growth", "linear"))
         + constants["per_client"] * sum(p.client for p in peers)
         + moving / constants["efficiency"]
     )
@@ -128,7 +150,10 @@ def parse_swarm(spec: str, model: str, rates: dict) -> list[Peer]:
 
 
 def peers_of_run(result: dict) -> list[Peer]:
-    """The trainers of a netswarm run (its --output_json), as the planner sees them."""
+    """The trainers of a netswarm run (its --output_json) or a benchmarks/scale.py run, as the planner sees them."""
+    if "trainer_links" not in result:  # scale.py: N alike trainers on loopback
+        rate = result["samples_per_pass"] / result["pass_seconds"]
+        return [Peer(rate, LOOPBACK.up_mbit, LOOPBACK.down_mbit, LOOPBACK.round_trip_ms)] * result["peers"]
     return [
         Peer(t["samples_per_compute_second"], t["up_mbit"], t["down_mbit"], 2 * t["one_way_ms"], t["client"])
         for t in result["trainer_links"].values()
@@ -137,7 +162,49 @@ def peers_of_run(result: dict) -> list[Peer]:
 
 def predict_run(result: dict, constants: dict) -> float:
     peers = peers_of_run(result)
-    return step_seconds(peers, result["parameters"], result["target_batch_size"], constants, result["compression"])[0]
+    mode = result.get("mode", "diloco" if result.get("diloco_inner_steps") else "data-parallel")
+    parameters = result.get("parameters", result.get("payload_parameters"))
+    return step_seconds(peers, parameters, result["target_batch_size"], constants, result["compression"], mode)[0]
+
+
+def fit_protocol(results: list[dict], form: str) -> dict:
+    """The protocol's constants (overhead, per_peer, with `form` of growth) by least squares on the seconds per step
+    that neither compute nor moving the bytes explains; both at least 0."""
+    base = {"overhead": 0.0, "per_peer": 0.0, "per_client": 0.0, "efficiency": 1.0, "growth": form}
+    points = [(growth(len(peers_of_run(r)), form), r["seconds_per_step"] - predict_run(r, base)) for r in results]
+    xs, ys = [x for x, _ in points], [y for _, y in points]
+    x_mean, y_mean = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread = sum((x - x_mean) ** 2 for x in xs)
+    slope = max(0.0, sum((x - x_mean) * (y - y_mean) for x, y in points) / spread) if spread else 0.0
+    intercept = y_mean - slope * x_mean
+    if intercept < 0:  # through the origin instead
+        intercept, slope = 0.0, max(0.0, sum(x * y for x, y in points) / max(1e-12, sum(x * x for x in xs)))
+    return {**base, "overhead": intercept, "per_peer": slope}
+
+
+def hold_out(results: list[dict], form: str = "linear") -> list[dict]:
+    """Per mode of benchmarks/scale.py runs: the protocol fitted on every swarm size but the largest, and its
+    prediction for the largest, held out (what the planner's scale-up is checked on)."""
+    checks = []
+    for mode in sorted({r["mode"] for r in results}):
+        runs = sorted((r for r in results if r["mode"] == mode), key=lambda r: r["peers"])
+        if len({r["peers"] for r in runs}) < 3:
+            continue  # two sizes to fit at least, one to hold out
+        held_out = runs[-1]
+        constants = fit_protocol([r for r in runs if r["peers"] < held_out["peers"]], form)
+        predicted = predict_run(held_out, constants)
+        checks.append(
+            {
+                "held_out_peers": held_out["peers"],
+                "mode": mode,
+                "fitted_on_peers": [r["peers"] for r in runs if r["peers"] < held_out["peers"]],
+                "constants": constants,
+                "predicted_seconds_per_step": predicted,
+                "measured_seconds_per_step": held_out["seconds_per_step"],
+                "error": predicted / held_out["seconds_per_step"] - 1,
+            }
+        )
+    return checks
 
 
 def fit(results: list[dict]) -> dict:
@@ -212,6 +279,10 @@ def main(argv=None) -> int:
     print(f"| protocol and all-reduce per step | {communication:.1f} s |")
     print(f"| seconds per global step | {seconds:.1f} |")
     print(f"| days to {args.steps:,} steps | {seconds * args.steps / 86400:.1f} |")
+    if not args.calibrate:  # the same swarm with the protocol's terms measured on larger swarms
+        scaled = step_seconds(peers, PARAMETERS[args.model], batch, SCALE_FITTED)[0]
+        print(f"| seconds per global step, protocol fitted on 4-16 peers (benchmarks/scale.py) | {scaled:.1f} |")
+        print(f"| days to {args.steps:,} steps, so fitted | {scaled * args.steps / 86400:.1f} |")
     return 0
 
 

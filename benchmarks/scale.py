@@ -24,6 +24,7 @@ import json
 import math
 import os
 import shlex
+import signal
 import sys
 import tempfile
 import time
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import psutil
 import torch
+from plan_run import hold_out
 
 from sahajbert.localswarm import PeerProcess, checkpoints_agree, start_first_peer
 
@@ -40,7 +42,9 @@ REPO = Path(__file__).resolve().parents[1]  # the first peer's script
 MODEL_FILE = "model.safetensors"
 SCALE_LOG = "scale_log.jsonl"  # per peer, one line per global step: its DHT's and averagers' counters
 TENSOR_VALUES = 2**20  # the payload model's parameters come in tensors of at most this many values
+PROBE_VALUES = 16  # parameters each peer records per step, for the models' spread
 SAMPLES_PER_PASS = 8  # --per_device_train_batch_size of every simulated trainer (one pass, no accumulation)
+COMPRESSION = "fp16"  # the trainers' --compression (their default)
 MODES = ("data-parallel", "diloco")
 
 
@@ -129,6 +133,11 @@ class NoBatches:
         pass
 
 
+def probe(tensor: torch.Tensor) -> list[float]:
+    """PROBE_VALUES values spread over `tensor`."""
+    return tensor.detach()[:: max(1, len(tensor) // PROBE_VALUES)].tolist()
+
+
 def simulated_trainer_class():
     """TrainerPeer with the declared compute and payload model (built on first use: the import is heavy)."""
     from sahajbert import hivemind_ext
@@ -157,6 +166,8 @@ def simulated_trainer_class():
                 "dht_requests": requests,
                 "dht_bytes": request_bytes,
                 "rounds": hivemind_ext.round_ledgers(self.optimizer),
+                # a few of this peer's parameters: how far apart the peers' models are after each step
+                "probe": probe(self.model.weights[0]),
             }
             with open(self.output_dir / SCALE_LOG, "a") as f:
                 f.write(json.dumps(line) + "\n")
@@ -262,7 +273,10 @@ def run_swarm(args, mode: str, peers: int, workdir: Path) -> dict:
                 f"N={peers} {mode}: {failed[0]} exited {trainers[failed[0]].process.returncode}:\n"
                 + trainers[failed[0]].output()[-3000:]
             )
-    finally:
+    finally:  # every peer asked to stop at once, then waited for: one at a time, 32 stops would take minutes
+        for trainer in trainers.values():
+            if trainer.running():
+                trainer.process.send_signal(signal.SIGINT)
         for trainer in trainers.values():
             trainer.stop()
         first_peer.stop()
@@ -288,7 +302,14 @@ def summarize(args, mode: str, peers: int, workdir: Path, samples: dict) -> dict
     times = {s: min(r.time for log in logs.values() for r in log if r.step == s) for s in steps}
     seconds_per_step = (times[window[-1]] - times[first]) / len(window)
     records = [r for log in logs.values() for r in log if r.step in window]
-    compute = sum(r.compute_seconds for r in records) / len(records)
+    # each peer's share of the window's wall time spent in its passes, over its own records (each record holds the
+    # compute since that peer's record before): a step's samples also come from passes made before it began
+    utilization = []
+    for log in logs.values():
+        own = [r for r in log if first <= r.step <= window[-1]]
+        if len(own) >= 2 and own[-1].time > own[0].time:
+            utilization.append(sum(r.compute_seconds for r in own[1:]) / (own[-1].time - own[0].time))
+    compute = seconds_per_step * min(1.0, sum(utilization) / len(utilization)) if utilization else 0.0
     # each step's share of the live peers (none leave here) whose samples it included
     share = sum(sum(1 for r in records if r.step == s and r.samples > 0) / peers for s in window) / len(window)
 
@@ -309,6 +330,15 @@ def summarize(args, mode: str, peers: int, workdir: Path, samples: dict) -> dict
         done = sum(c for c in counts if c)
         return sum(t for t in totals if t) / done if done else None
 
+    # the models' spread after each step of the window: the largest difference of a probed parameter between two
+    # peers, relative to the probed parameters' mean magnitude
+    spreads = []
+    for step in window:
+        probes = [lines[step]["probe"] for lines in ledgers.values() if step in lines and "probe" in lines[step]]
+        if len(probes) >= 2:
+            columns = list(zip(*probes))
+            scale = sum(abs(v) for column in columns for v in column) / (len(columns) * len(probes))
+            spreads.append(max(max(c) - min(c) for c in columns) / scale if scale else 0.0)
     failed = sum(
         max(0, log[-1].failed_rounds - next((r.failed_rounds for r in log if r.step == first), 0))
         for log in logs.values()
@@ -338,10 +368,17 @@ def summarize(args, mode: str, peers: int, workdir: Path, samples: dict) -> dict
         "pass_seconds": args.pass_seconds,
         "passes_per_step": args.passes_per_step,
         "target_group_size": args.target_group_size,
+        # what benchmarks/plan_run.py needs to predict this run
+        "samples_per_pass": SAMPLES_PER_PASS,
+        "target_batch_size": peers * args.passes_per_step * SAMPLES_PER_PASS,
+        "compression": COMPRESSION,
         "global_steps": len(steps),
         "steps_measured": len(window),
         "seconds_per_step": seconds_per_step,
+        # the seconds of a step its peers computed (each peer's utilization over the window), and the rest
         "compute_seconds_per_step": compute,
+        # samples per global step: above the target when peers go on computing while a round runs
+        "samples_per_step": sum(r.samples for r in records) / len(window),
         "seconds_beyond_compute": seconds_per_step - compute,
         "share_of_peers_per_step": share,
         "failed_rounds": failed,
@@ -356,6 +393,8 @@ def summarize(args, mode: str, peers: int, workdir: Path, samples: dict) -> dict
         "max_peak_rss_mib": max(rss) if rss else None,
         "peak_pss_mib_per_peer": sum(pss) / len(pss) if pss else None,
         "cpu_cores_per_peer": sum(cpu) / len(cpu) if cpu else None,
+        "parameter_spread_per_step": sum(spreads) / len(spreads) if spreads else None,
+        "max_parameter_spread": max(spreads) if spreads else None,
         "parameters_agree": agree,
         "max_parameter_difference": difference,
     }
@@ -377,6 +416,7 @@ COLUMNS = (
     ("RSS MiB", "peak_rss_mib_per_peer", "{:.0f}"),
     ("PSS MiB", "peak_pss_mib_per_peer", "{:.0f}"),
     ("cores", "cpu_cores_per_peer", "{:.3f}"),
+    ("spread", "parameter_spread_per_step", "{:.1e}"),
     ("agree", "parameters_agree", "{}"),
 )
 
@@ -429,12 +469,21 @@ def main(argv=None) -> int:
                     if args.keep_logs:
                         keep = Path(args.keep_logs) / f"{peers}-{mode}"
                         keep.mkdir(parents=True, exist_ok=True)
-                        for log in Path(tmp).glob("*.log"):
-                            (keep / log.name).write_text(log.read_text(errors="replace"))
+                        for log in [*Path(tmp).glob("*.log"), *Path(tmp).glob("*/*.jsonl")]:
+                            name = log.name if log.suffix == ".log" else f"{log.parent.name}.{log.name}"
+                            (keep / name).write_text(log.read_text(errors="replace"))
             print(json.dumps(results[-1]), flush=True)
     print_table(results, "python benchmarks/scale.py " + shlex.join(argv))
+    # the planner's protocol term fitted on the smaller swarms, checked on the largest (benchmarks/plan_run.py)
+    planner = hold_out(results)
+    for check in planner:
+        print(
+            f"planner, {check['mode']}: fitted on N = {check['fitted_on_peers']}, predicts "
+            f"{check['predicted_seconds_per_step']:.2f} s per step at N = {check['held_out_peers']}, measured "
+            f"{check['measured_seconds_per_step']:.2f} ({check['error']:+.1%})"
+        )
     if args.output_json:
-        Path(args.output_json).write_text(json.dumps(results, indent=2))
+        Path(args.output_json).write_text(json.dumps({"runs": results, "planner": planner}, indent=2))
     return 0
 
 

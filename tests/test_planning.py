@@ -68,10 +68,55 @@ def test_calibration_recovers_constants_from_runs_it_made(tmp_path):
     assert PLAN["fit"](PLAN["load"]([str(tmp_path / "runs.json")])) == truth
 
 
+def scale_run(peers: int, mode: str, constants: dict) -> dict:
+    """A benchmarks/scale.py result as its JSON holds it, its seconds per step made by the planner from `constants`."""
+    run = {
+        "peers": peers,
+        "mode": mode,
+        "pass_seconds": 2.0,
+        "samples_per_pass": 8,
+        "target_batch_size": peers * 4 * 8,  # 4 passes per peer and step
+        "payload_parameters": 100_000,
+        "compression": "fp16",
+    }
+    run["seconds_per_step"] = PLAN["predict_run"](run, constants)
+    return run
+
+
+def test_the_scale_up_is_fitted_on_the_smaller_swarms_and_checked_on_the_largest():
+    truth = {"overhead": 0.5, "per_peer": 0.75, "per_client": 0.0, "efficiency": 1.0, "growth": "log2"}
+    runs = [scale_run(peers, mode, truth) for mode in ("data-parallel", "diloco") for peers in (4, 8, 16, 32)]
+    # each run's compute: its 4 passes of 2 s, whatever the swarm's size (the target batch grows with it)
+    for run in runs:
+        peers = PLAN["peers_of_run"](run)
+        assert len(peers) == run["peers"]
+        assert PLAN["step_seconds"](peers, 100_000, run["target_batch_size"], truth)[1] == pytest.approx(8.0)
+    checks = PLAN["hold_out"](runs, "log2")
+    assert [(c["mode"], c["fitted_on_peers"], c["held_out_peers"]) for c in checks] == [
+        ("data-parallel", [4, 8, 16], 32),
+        ("diloco", [4, 8, 16], 32),
+    ]
+    for check in checks:
+        assert check["constants"]["overhead"] == pytest.approx(0.5, abs=1e-6)
+        assert check["constants"]["per_peer"] == pytest.approx(0.75, abs=1e-6)
+        assert check["error"] == pytest.approx(0.0, abs=1e-6)
+    # protocol that grows with every further peer: the log2 model, fitted on 4-16, falls short at 32
+    linear = {**truth, "growth": "linear"}
+    check = PLAN["hold_out"]([scale_run(peers, "diloco", linear) for peers in (4, 8, 16, 32)], "log2")[0]
+    assert check["error"] < -0.2, check
+    # two sizes of a mode are too few to fit two constants and hold one out
+    assert PLAN["hold_out"]([scale_run(peers, "diloco", truth) for peers in (4, 32)]) == []
+
+
 def test_plan_prints_days_and_rejects_a_bad_swarm_in_one_line(capsys):
     assert PLAN["main"](["--preset", "sahajbert-2021", "--steps", "1000"]) == 0
     out = capsys.readouterr().out
     assert "| days to 1,000 steps |" in out and "(56 peers)" in out
+    # beside it, the same swarm with the protocol's terms fitted on benchmarks/scale.py's larger swarms: cheaper per
+    # further peer, so a faster step
+    rows = dict(line.strip("|").rsplit("|", 1) for line in out.splitlines() if line.startswith("| seconds per"))
+    fitted = float(rows[" seconds per global step, protocol fitted on 4-16 peers (benchmarks/scale.py) "])
+    assert 0 < fitted < float(rows[" seconds per global step "])
     # SystemExit with a message: Python prints it as the one line on stderr, with exit code 1
     with pytest.raises(SystemExit) as bad:
         PLAN["main"](["--swarm", "4xGTX@broadband"])

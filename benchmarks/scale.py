@@ -347,10 +347,12 @@ def summarize(args, mode: str, peers: int, workdir: Path, samples: dict) -> dict
     rss = [max(s[1] for s in samples[name]) / 2**20 for name in names if samples[name]]
     pss = [max(s[2] for s in samples[name]) / 2**20 for name in names if samples[name]]
     cpu = []
-    for name in names:
-        inside = [s for s in samples[name] if times[first] <= s[0] <= times[window[-1]]]
-        if len(inside) >= 2:
-            cpu.append((inside[-1][3] - inside[0][3]) / (inside[-1][0] - inside[0][0]))
+    for name in names:  # over the samples that bracket the window (it may be shorter than --sample_every)
+        taken = samples[name]
+        start = next((i for i in range(len(taken) - 1, -1, -1) if taken[i][0] <= times[first]), 0)
+        end = next((i for i in range(len(taken)) if taken[i][0] >= times[window[-1]]), len(taken) - 1)
+        if end > start:
+            cpu.append((taken[end][3] - taken[start][3]) / (taken[end][0] - taken[start][0]))
     finals = [list_checkpoints(workdir / name)[-1][1] for name in names if list_checkpoints(workdir / name)]
     agree, difference = checkpoints_agree(finals) if len(finals) == peers else (False, math.inf)
     largest = max(

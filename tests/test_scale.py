@@ -35,7 +35,8 @@ def run_scale(tmp_path, peers: list[int], modes: list[str]) -> tuple[dict, str]:
     output = tmp_path / f"scale-{'-'.join(modes)}.json"
     command = [sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--peers", *map(str, peers), "--modes", *modes]
     command += ["--payload", "100000", "--pass_seconds", "0.5", "--passes_per_step", "2", "--steps", "4"]
-    command += ["--warmup_steps", "1", "--output_json", str(output), "--keep_logs", str(tmp_path / "logs")]
+    command += ["--warmup_steps", "1", "--sample_every", "0.5", "--output_json", str(output)]
+    command += ["--keep_logs", str(tmp_path / "logs")]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=peer_env(), cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(output.read_text()), done.stdout

@@ -71,10 +71,10 @@ class RoundLedger:
         self._values = mp.Array("d", len(self.FIELDS))
 
     def matched(self, seconds: float, group_size: int | None) -> None:
-        self._add(matchmakings=1, matchmaking_seconds=seconds)
-        if group_size is not None:
-            self._add(groups=1, group_peers=group_size)
-            with self._values.get_lock():
+        with self._values.get_lock():  # one update: a read sees a matchmaking with its group, or neither
+            self._add(matchmakings=1, matchmaking_seconds=seconds)
+            if group_size is not None:
+                self._add(groups=1, group_peers=group_size)
                 index = self.FIELDS.index("largest_group")
                 self._values[index] = max(self._values[index], group_size)
 
@@ -82,7 +82,7 @@ class RoundLedger:
         self._add(allreduces=1, allreduce_seconds=seconds)
 
     def _add(self, **amounts: float) -> None:
-        with self._values.get_lock():
+        with self._values.get_lock():  # multiprocessing's default lock is reentrant
             for name, amount in amounts.items():
                 self._values[self.FIELDS.index(name)] += amount
 

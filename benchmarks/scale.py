@@ -228,31 +228,38 @@ def proportional_bytes(pid: int) -> int:
     return 0
 
 
-def tree_usage(process: psutil.Process) -> tuple[int, int, float]:
-    """(resident bytes, proportional bytes, CPU seconds) of a process and all its descendants (hivemind's DHT and
-    averager processes, forked from it, and the p2p daemon). RSS counts the pages a fork shares with its parent once
-    per process; PSS divides them among the processes that share them."""
-    rss, pss, cpu = 0, 0, 0.0
+def tree_usage(process: psutil.Process) -> tuple[int, int, dict[int, float]]:
+    """(resident bytes, proportional bytes, {pid: CPU seconds}) of a process and all its descendants (hivemind's DHT
+    and averager processes, forked from it, and the p2p daemon). RSS counts the pages a fork shares with its parent
+    once per process; PSS divides them among the processes that share them. CPU is kept per process: a sum over the
+    tree falls when a member exits between two samples, and a window's CPU must be the time its members ran."""
+    rss, pss, cpu = 0, 0, {}
     try:
         members = [process, *process.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return 0, 0, 0.0
+        return 0, 0, {}
     for member in members:
         try:
             rss += member.memory_info().rss
             times = member.cpu_times()
-            cpu += times.user + times.system
-        except psutil.NoSuchProcess:
+            cpu[member.pid] = times.user + times.system
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
         pss += proportional_bytes(member.pid)
     return rss, pss, cpu
+
+
+def cpu_between(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds the processes seen in `after` ran since `before` (a process new since then ran all of its own;
+    one that exited in between is not counted, so the window's CPU is a lower bound, never negative)."""
+    return sum(max(0.0, seconds - before.get(pid, 0.0)) for pid, seconds in after.items())
 
 
 def run_swarm(args, mode: str, peers: int, workdir: Path) -> dict:
     run_id = f"scale{peers}{mode[0]}"
     first_peer, initial_peers = start_first_peer(REPO / "run_first_peer.py", workdir, run_id)
     trainers: dict[str, PeerProcess] = {}
-    samples: dict[str, list[tuple]] = {}  # name -> [(unix time, tree RSS, tree PSS, tree CPU seconds)]
+    samples: dict[str, list[tuple]] = {}  # name -> [(unix time, tree RSS, tree PSS, {pid: CPU seconds})]
     try:
         for index in range(peers):
             name = f"peer{index}"
@@ -352,7 +359,7 @@ def summarize(args, mode: str, peers: int, workdir: Path, samples: dict) -> dict
         start = next((i for i in range(len(taken) - 1, -1, -1) if taken[i][0] <= times[first]), 0)
         end = next((i for i in range(len(taken)) if taken[i][0] >= times[window[-1]]), len(taken) - 1)
         if end > start:
-            cpu.append((taken[end][3] - taken[start][3]) / (taken[end][0] - taken[start][0]))
+            cpu.append(cpu_between(taken[start][3], taken[end][3]) / (taken[end][0] - taken[start][0]))
     finals = [list_checkpoints(workdir / name)[-1][1] for name in names if list_checkpoints(workdir / name)]
     agree, difference = checkpoints_agree(finals) if len(finals) == peers else (False, math.inf)
     largest = max(

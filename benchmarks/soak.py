@@ -8,25 +8,34 @@ until training halts. This runs a first peer and --trainers tiny trainers on loo
 wait for its parts and give up. trainer0 is never killed: it lives through every round.
 
 RSS is measured per peer as the sum over its whole process tree (the trainer, hivemind's DHT and averager
-processes, the p2p daemons), every --sample_every seconds. Printed: one row per sample time, and per long-lived
-peer its RSS after warm-up (--warmup_rounds), at the end, and the growth in between.
+processes, the p2p daemons), every --sample_every seconds. Printed: one row per sample time, and per
+peer that lived past its warm-up (--warmup_rounds, or --warmup_minutes of its own life) its RSS then, at its end, and
+the growth in between; failed rounds split into those within --churn_grace seconds of a churn event and the rest.
+
+With --simulated the trainers are benchmarks/scale.py's simulated peers (this project's trainer with a declared pass
+time and a payload model of --payload parameters, in --mode): tens of them fit 2 cores, for hours (#48):
+
+    python benchmarks/soak.py --simulated --mode data-parallel --trainers 8 --minutes 120 --churn_every 300
 """
 
 import argparse
 import json
 import random
+import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import psutil
+import scale
 
 from sahajbert.localswarm import PeerProcess, start_first_peer, tiny_trainer_flags
 from sahajbert.train_log import read_train_log
 
 REPO = Path(__file__).resolve().parents[1]
 ROUNDS_PER_STEP = 2  # a global step: the gradient all-reduce, then the parameter all-reduce (DPU, every step)
+UNBOUNDED_STEPS = 1_000_000  # --max_steps of a soak bounded by --minutes: it stops them
 
 
 def tree_rss(process: psutil.Process) -> int:
@@ -46,31 +55,39 @@ def tree_rss(process: psutil.Process) -> int:
 def soak(args, workdir: Path) -> dict:
     run_id = "soak"
     first_peer, initial_peers = start_first_peer(REPO / "run_first_peer.py", workdir, run_id)
-    max_steps = args.rounds // ROUNDS_PER_STEP + 1
+    max_steps = UNBOUNDED_STEPS if args.minutes else args.rounds // ROUNDS_PER_STEP + 1
 
-    def trainer_flags(name: str) -> list[str]:
-        return ["--run_id", run_id, "--initial_peers", *initial_peers] + tiny_trainer_flags(
+    def start(name: str) -> None:
+        if args.simulated:  # scale.py's flags for a swarm of --trainers simulated peers, --max_steps its own
+            swarm = argparse.Namespace(**{**vars(args), "steps": max_steps, "learning_rate": 0.05})
+            flags = scale.trainer_flags(swarm, args.mode, args.trainers, run_id, initial_peers, workdir / name)
+            trainers[name] = PeerProcess(Path(scale.__file__), ["peer", *flags], workdir / f"{name}.log")
+            return
+        flags = ["--run_id", run_id, "--initial_peers", *initial_peers] + tiny_trainer_flags(
             target_batch_size=args.target_batch_size,
             max_steps=max_steps,
             save_steps=100_000,
             output_dir=workdir / name,
         )
+        trainers[name] = PeerProcess(REPO / "run_trainer.py", flags, workdir / f"{name}.log")
 
     trainers: dict[str, PeerProcess] = {}
-
-    def start(name: str) -> None:
-        trainers[name] = PeerProcess(REPO / "run_trainer.py", trainer_flags(name), workdir / f"{name}.log")
+    born: dict[str, float] = {}  # name -> seconds into the soak it started at
+    churns: list[float] = []  # seconds into the soak of each churn event (a kill and its replacement's start)
 
     rng = random.Random(0)
     samples: list[dict] = []  # {"time", "step", "rss": {peer: bytes}}
     kills = 0
     try:
+        started = time.time()
         for i in range(args.trainers):
             start(f"trainer{i}")
-        started = time.time()
+            born[f"trainer{i}"] = 0.0
         next_sample, next_churn = started, started + args.churn_every
         while trainers["trainer0"].running():
             now = time.time()
+            if args.minutes and now - started >= args.minutes * 60:
+                break
             if now - started > args.timeout:
                 raise TimeoutError(f"the soak did not finish in {args.timeout:.0f} s")
             if now >= next_sample:
@@ -87,32 +104,62 @@ def soak(args, workdir: Path) -> dict:
                 trainers[victim].kill()
                 kills += 1
                 start(f"trainer{args.trainers + kills - 1}")
+                born[f"trainer{args.trainers + kills - 1}"] = now - started
+                churns.append(now - started)
                 print(f"{now - started:6.0f} s, step {step}: churn: killed {victim}", flush=True)
                 next_churn = now + args.churn_every
             time.sleep(1)
-        if trainers["trainer0"].process.returncode != 0:
+        if not trainers["trainer0"].running() and trainers["trainer0"].process.returncode != 0:
             raise RuntimeError(trainers["trainer0"].output()[-3000:])
-    finally:
+    finally:  # every peer asked to stop at once, then waited for
+        for p in trainers.values():
+            if p.running():
+                p.process.send_signal(signal.SIGINT)
         for p in [*trainers.values(), first_peer]:
             p.stop(timeout=20)
     log = read_train_log(workdir / "trainer0")
-    failed = sum((workdir / f"{name}.log").read_text().count("averaging round failed (") for name in trainers)
+    failures = [
+        (record.time - started, record.failed_rounds - before)
+        for name in trainers
+        for before, record in failure_steps(read_train_log(workdir / name))
+    ]
+    near = sum(n for at, n in failures if any(0 <= at - churn <= args.churn_grace for churn in churns))
     return {
         "trainers": args.trainers,
+        "simulated": args.simulated,
+        "mode": args.mode if args.simulated else "data-parallel",
         "global_steps": log[-1].step if log else 0,
         "averaging_rounds": (log[-1].step if log else 0) * ROUNDS_PER_STEP,
-        "failed_rounds": failed,
+        "failed_rounds": sum(n for _, n in failures),
+        "failed_rounds_near_churn": near,
+        "failed_rounds_outside_churn": sum(n for _, n in failures) - near,
+        "failures": failures,
         "failed_rounds_trainer0": log[-1].failed_rounds if log else 0,
         "churn_events": kills,
+        "churns": churns,
+        "born": born,
         "seconds": samples[-1]["time"] if samples else 0.0,
         "samples": samples,
     }
 
 
-def growth(result: dict, peer: str, warmup_step: int) -> tuple[float, float, float] | None:
-    """(RSS after warm-up, RSS at the end, growth) in MiB for a peer that lived through the whole soak."""
-    series = [(s["step"], s["rss"][peer]) for s in result["samples"] if peer in s["rss"]]
-    after = [rss for step, rss in series if step >= warmup_step]
+def failure_steps(log: list) -> list[tuple[int, object]]:
+    """(failed rounds before, record) for each record of a train log whose failed-round counter grew: a failure's
+    time is known to within the step that recorded it."""
+    steps, before = [], 0
+    for record in log:
+        if record.failed_rounds > before:
+            steps.append((before, record))
+        before = max(before, record.failed_rounds)
+    return steps
+
+
+def growth(result: dict, peer: str, warmup_step: int, warmup_seconds: float = 0.0) -> tuple[float, ...] | None:
+    """(RSS after warm-up, RSS at its end, growth) in MiB of a peer: its samples from trainer0's `warmup_step` on
+    and at least `warmup_seconds` after the peer started."""
+    born = result.get("born", {}).get(peer, 0.0)
+    series = [(s["step"], s["time"], s["rss"][peer]) for s in result["samples"] if peer in s["rss"]]
+    after = [rss for step, at, rss in series if step >= warmup_step and at - born >= warmup_seconds]
     if len(after) < 2:
         return None
     # the median of the first and of the last three samples: one sample can catch a round's buffers in flight
@@ -134,14 +181,18 @@ def print_tables(result: dict, args) -> None:
     print(
         f"\n{result['global_steps']} global steps ({result['averaging_rounds']} averaging rounds), "
         f"{result['churn_events']} churn events, {result['failed_rounds']} failed rounds in all "
-        f"({result['failed_rounds_trainer0']} seen by trainer0), {result['seconds'] / 60:.1f} min\n"
+        f"({result['failed_rounds_near_churn']} within {args.churn_grace:.0f} s after a churn event, "
+        f"{result['failed_rounds_outside_churn']} outside; {result['failed_rounds_trainer0']} seen by trainer0), "
+        f"{result['seconds'] / 60:.1f} min\n"
     )
-    print("| peer (lived through the soak) | RSS after warm-up, MiB | RSS at the end, MiB | growth |")
-    print("|---|---:|---:|---:|")
-    for peer in peers:
-        grown = growth(result, peer, warmup_step)
+    print("| peer | started at, s | RSS after warm-up, MiB | RSS at its end, MiB | growth |")
+    print("|---|---:|---:|---:|---:|")
+    names = sorted({n for s in result["samples"] for n in s["rss"]}, key=lambda n: (n != "first_peer", len(n), n))
+    for peer in names:
+        grown = growth(result, peer, warmup_step, args.warmup_minutes * 60)
         if grown:
-            print(f"| {peer} | {grown[0]:.0f} | {grown[1]:.0f} | {grown[2]:+.1%} |")
+            born = result.get("born", {}).get(peer, 0.0)
+            print(f"| {peer} | {born:.0f} | {grown[0]:.0f} | {grown[1]:.0f} | {grown[2]:+.1%} |")
 
 
 def main(argv=None) -> int:
@@ -154,12 +205,25 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup_rounds", type=int, default=40, help="rounds before growth is measured")
     parser.add_argument("--timeout", type=float, default=5400.0, help="seconds before the soak is abandoned")
     parser.add_argument("--output_json", default=None, help="also write the samples and totals here")
+    parser.add_argument("--workdir", default=None, help="keep the peers' logs and outputs here (default: deleted)")
+    parser.add_argument("--minutes", type=float, default=None, help="run this long instead of --rounds")
+    parser.add_argument("--warmup_minutes", type=float, default=0.0, help="minutes of each peer's life before growth")
+    parser.add_argument("--churn_grace", type=float, default=120.0, help="seconds after churn its failures count in")
+    simulated = parser.add_argument_group("simulated trainers (benchmarks/scale.py's peers)")
+    simulated.add_argument("--simulated", action="store_true", help="declared compute and a payload model")
+    simulated.add_argument("--mode", choices=scale.MODES, default="data-parallel", help="their training mode")
+    simulated.add_argument("--payload", default="1000000", help="parameters averaged: a preset or N")
+    simulated.add_argument("--pass_seconds", type=float, default=2.0, help="declared seconds of one pass")
+    simulated.add_argument("--passes_per_step", type=int, default=4, help="each peer's passes per global step")
+    simulated.add_argument("--target_group_size", type=int, default=None, help="every peer's --target_group_size")
     args = parser.parse_args(argv)
+    if args.minutes:
+        args.timeout = max(args.timeout, args.minutes * 60 + 600)
     if args.trainers < 2:
         parser.error("--trainers must be at least 2: churn needs a trainer besides trainer0")
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
         try:
-            result = soak(args, Path(tmp))
+            result = soak(args, Path(args.workdir or tmp))
         except (TimeoutError, RuntimeError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1

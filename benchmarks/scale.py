@@ -35,7 +35,7 @@ import psutil
 import torch
 from plan_run import hold_out
 
-from sahajbert.localswarm import PeerProcess, checkpoints_agree, start_first_peer
+from sahajbert.localswarm import PeerProcess, checkpoints_agree, start_first_peer, stop_on_signals
 
 REPO = Path(__file__).resolve().parents[1]  # the first peer's script
 
@@ -448,6 +448,7 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["peer"]:
         return peer_main(argv[1:])
+    stop_on_signals()  # a signal stops the peers this started
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--peers", type=int, nargs="+", default=[4, 8], help="swarm sizes, one run each")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="one run per size each")
@@ -471,7 +472,7 @@ def main(argv=None) -> int:
             with tempfile.TemporaryDirectory(prefix=f"scale{peers}-") as tmp:
                 try:
                     results.append(run_swarm(args, mode, peers, Path(tmp)))
-                except (TimeoutError, RuntimeError) as e:
+                except (TimeoutError, RuntimeError, KeyboardInterrupt) as e:
                     print(f"error: {e}", file=sys.stderr)
                     return 1
                 finally:

@@ -30,7 +30,7 @@ from pathlib import Path
 import psutil
 import scale
 
-from sahajbert.localswarm import PeerProcess, start_first_peer, tiny_trainer_flags
+from sahajbert.localswarm import PeerProcess, start_first_peer, stop_on_signals, tiny_trainer_flags
 from sahajbert.train_log import read_train_log
 
 REPO = Path(__file__).resolve().parents[1]
@@ -196,6 +196,7 @@ def print_tables(result: dict, args) -> None:
 
 
 def main(argv=None) -> int:
+    stop_on_signals()  # a signal stops the peers this started
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--rounds", type=int, default=300, help="averaging rounds trainer0 lives through")
     parser.add_argument("--trainers", type=int, default=3, help="trainers at any time (trainer0 is never killed)")
@@ -224,7 +225,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
         try:
             result = soak(args, Path(args.workdir or tmp))
-        except (TimeoutError, RuntimeError) as e:
+        except (TimeoutError, RuntimeError, KeyboardInterrupt) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
     print_tables(result, args)

@@ -46,6 +46,20 @@ def tiny_trainer_flags(host: str = "127.0.0.1", **overrides) -> list[str]:
     ]
 
 
+def stop_on_signals() -> None:
+    """SIGINT and SIGTERM raise KeyboardInterrupt in a harness that starts peers, so its `finally` stops them. A shell
+    starts a background job with SIGINT ignored (nohup ... &), which Python inherits: without this, Ctrl+C or kill
+    would leave the peers running. Later signals are ignored while the peers stop (tens of seconds at most)."""
+
+    def stop(signum, frame):
+        for ignored in (signal.SIGINT, signal.SIGTERM):  # a second signal would cut the peers' stops short
+            signal.signal(ignored, signal.SIG_IGN)
+        raise KeyboardInterrupt(f"stopped by signal {signum}")
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, stop)
+
+
 def peer_env() -> dict:
     """Offline, unbuffered, one math thread per peer (several peers share the machine's cores)."""
     return {

@@ -36,6 +36,8 @@ class LocalMetrics(pydantic.BaseModel):
     samples_contributed: pydantic.conint(ge=0, strict=True) = 0  # since it started, as its log counts them
     recent: pydantic.conlist(StepEntry, max_items=RECENT_STEPS) = []  # its last steps, oldest first
     status: pydantic.constr(strict=True, regex="^(" + "|".join(PEER_STATUSES) + ")$") = "training"
+    # how many peers report progress to it (0: not said): the others compare it with theirs (sahajbert.split_watch)
+    peers_seen: pydantic.conint(ge=0, strict=True) = 0
 
 
 class ArchiveRecord(pydantic.BaseModel):
@@ -183,14 +185,21 @@ def fetch_announced_step(dht: hivemind.DHT, run_id: str) -> int:
 
 def _subkey_items(dht: hivemind.DHT, key: str) -> dict:
     """A key's current entries, by subkey (each a ValueWithExpiration); {} if it holds none."""
-    entry = dht.get(key, latest=True)
+    return _entries(dht.get(key, latest=True))
+
+
+def _entries(entry) -> dict:
     return entry.value if entry is not None and isinstance(entry.value, dict) else {}
 
 
 def _valid_records(dht: hivemind.DHT, key: str, model: type[pydantic.BaseModel]) -> dict[bytes, pydantic.BaseModel]:
     """A key's current records that parse as `model`, keyed by the writer's public key."""
+    return _parsed(_subkey_items(dht, key), model)
+
+
+def _parsed(items: dict, model: type[pydantic.BaseModel]) -> dict[bytes, pydantic.BaseModel]:
     records = {}
-    for subkey, item in _subkey_items(dht, key).items():
+    for subkey, item in items.items():
         try:
             records[subkey] = model.parse_obj(item.value)
         except pydantic.ValidationError:
@@ -201,3 +210,13 @@ def _valid_records(dht: hivemind.DHT, key: str, model: type[pydantic.BaseModel])
 def fetch(dht: hivemind.DHT, run_id: str) -> dict[bytes, LocalMetrics]:
     """All current, validated records of the run, keyed by the writer's public key."""
     return _valid_records(dht, metrics_key(run_id), LocalMetrics)
+
+
+def fetch_later(dht: hivemind.DHT, run_id: str):
+    """fetch()'s DHT read, started now without waiting: a future of the entry that metrics_of() parses."""
+    return dht.get(metrics_key(run_id), latest=True, return_future=True)
+
+
+def metrics_of(entry) -> dict[bytes, LocalMetrics]:
+    """The validated records in a metrics entry that fetch_later() read, keyed by the writer's public key."""
+    return _parsed(_entries(entry), LocalMetrics)

@@ -11,6 +11,7 @@ from sahajbert.adaptive import Timing
 from sahajbert.hivemind_ext.optim import accessors
 from sahajbert.peer_context import PeerContext
 from sahajbert.round_log import RoundMonitor
+from sahajbert.split_watch import SplitWatch, View
 from sahajbert.train_log import StepRecord
 
 # the trainer's lines keep the trainer's logger name, whichever of its parts says them: users filter on it
@@ -71,6 +72,7 @@ class PeerReports:
         self.recent_steps: deque[records.StepEntry] = deque(maxlen=records.RECENT_STEPS)  # published with each record
         self._last_progress_line = time.monotonic()
         self._pace_told = False
+        self.split_watch = SplitWatch(self.dht, self.run_id, self.public_key)
 
     def record_step(self, counters: StepCounters, rounds: RoundMonitor, timing: Timing) -> StepRecord:
         """This peer's record of the global step just made, from its `counters`; published to the swarm and logged in
@@ -121,11 +123,15 @@ class PeerReports:
             samples_contributed=self.contributed,
             recent=list(self.recent_steps),
             status=status,
+            peers_seen=accessors.position(self.optimizer).peers,
         )
         return records.publish(self.dht, self.run_id, self.public_key, local)
 
     def log_progress(self) -> None:
-        """Every --log_every_seconds: the swarm's progress toward the next global step."""
+        """Every --log_every_seconds: the swarm's progress toward the next global step; and a word if the other
+        trainers' records show a swarm that is not the one this peer sees (sahajbert.split_watch)."""
+        if self.optimizer.is_synchronized_with_peers():  # a peer catching up is at another step than the others
+            self.split_watch.poll(View(self.optimizer.local_epoch, accessors.position(self.optimizer).peers))
         if time.monotonic() - self._last_progress_line < self.log_every_seconds:
             return
         position = accessors.position(self.optimizer)

@@ -11,7 +11,7 @@ from sahajbert.adaptive import Timing
 from sahajbert.hivemind_ext.optim import accessors
 from sahajbert.peer_context import PeerContext
 from sahajbert.round_log import RoundMonitor
-from sahajbert.split_watch import SplitWatch, View
+from sahajbert.split_watch import SplitWatch
 from sahajbert.train_log import StepRecord
 
 # the trainer's lines keep the trainer's logger name, whichever of its parts says them: users filter on it
@@ -123,15 +123,16 @@ class PeerReports:
             samples_contributed=self.contributed,
             recent=list(self.recent_steps),
             status=status,
-            peers_seen=accessors.position(self.optimizer).peers,
+            peers_seen=self.split_watch.peers_seen or accessors.position(self.optimizer).peers,
         )
         return records.publish(self.dht, self.run_id, self.public_key, local)
 
     def log_progress(self) -> None:
         """Every --log_every_seconds: the swarm's progress toward the next global step; and a word if the other
         trainers' records show a swarm that is not the one this peer sees (sahajbert.split_watch)."""
+        self.split_watch.saw(accessors.position(self.optimizer).peers)
         if self.optimizer.is_synchronized_with_peers():  # a peer catching up is at another step than the others
-            self.split_watch.poll(View(self.optimizer.local_epoch, accessors.position(self.optimizer).peers))
+            self.split_watch.poll(self.optimizer.local_epoch)
         if time.monotonic() - self._last_progress_line < self.log_every_seconds:
             return
         position = accessors.position(self.optimizer)

@@ -58,7 +58,11 @@ def split_warning(mine: View, theirs: list[View], reads: int) -> str:
 
 class SplitWatch:
     """Compares this peer's view with the other trainers' records, one read every `read_seconds`; `observe` holds
-    the rule, `poll` reads the DHT without blocking the training loop."""
+    the rule, `poll` reads the DHT without blocking the training loop.
+
+    A view's peers are the most this peer saw report progress over the last two reads' spans (`peers_seen`, also
+    what its record says): a single read of the progress records may come back without some of them (a DHT node that
+    did not answer in time; 5 of 8 peers right after a step in a loaded 8-peer run), and only lowers the count."""
 
     def __init__(self, dht, run_id: str, public_key: bytes, read_seconds: float = READ_SECONDS):
         self.dht, self.run_id, self.public_key = dht, run_id, public_key
@@ -66,17 +70,28 @@ class SplitWatch:
         self._read: Future | None = None
         self._step_at_read: int | None = None  # this peer's step when the read in flight began
         self._next_read = time.monotonic() + read_seconds
+        self._peers_now, self._peers_before = 0, 0  # the most peers seen since the last read began, and before it
         self._last_steps: dict[bytes, int] = {}  # each trainer's step at the previous read
-        self._disagreeing_reads = 0
+        self._streaks: dict[bytes, int] = {}  # each trainer's reads in a row that disagreed with this peer's view
         self._told = False
         self.reads = 0  # reads compared so far
 
-    def poll(self, mine: View) -> str | None:
-        """Start a read when one is due; compare with `mine` once it has come back. The warning it logged, if any."""
+    def saw(self, peers: int) -> None:
+        """This peer's progress tracker counts `peers` peers now."""
+        self._peers_now = max(self._peers_now, peers)
+
+    @property
+    def peers_seen(self) -> int:
+        return max(self._peers_now, self._peers_before)
+
+    def poll(self, step: int) -> str | None:
+        """Start a read when one is due; compare it with this peer's view at `step` once it has come back. The
+        warning it logged, if any."""
         if self._read is None:
             if time.monotonic() >= self._next_read:
-                self._read, self._step_at_read = records.fetch_later(self.dht, self.run_id), mine.step
+                self._read, self._step_at_read = records.fetch_later(self.dht, self.run_id), step
                 self._next_read = time.monotonic() + self.read_seconds
+                self._peers_before, self._peers_now = self._peers_now, 0
             return None
         if not self._read.done():
             return None
@@ -92,26 +107,28 @@ class SplitWatch:
             for key, record in found.items()
             if key != self.public_key and record.status == "training" and record.peers_seen > 0
         }
-        warning = self.observe(mine, others, self._step_at_read)
+        warning = self.observe(View(step, self.peers_seen), others, self._step_at_read)
         if warning:
             logger.warning(warning)
         return warning
 
     def observe(self, mine: View, others: dict[bytes, View], step_before: int | None = None) -> str | None:
         """One read of the other trainers' views. Only trainers that stepped since the previous read count (a record
-        whose step stands still may be a peer gone or waiting): the warning once as many reads in a row as
-        SPLIT_READS found one that disagrees, and again only after a read that found none. `step_before`: this
-        peer's step when the read began."""
-        stepping = [
-            view for key, view in others.items() if key in self._last_steps and self._last_steps[key] != view.step
-        ]
+        whose step stands still may be a peer gone or waiting), each on its own: the warning once a trainer's view
+        disagreed with `mine` in SPLIT_READS reads in a row, and again only after a read where none did.
+        `step_before`: this peer's step when the read began."""
+        streaks = {}
+        for key, view in others.items():
+            stepped = key in self._last_steps and self._last_steps[key] != view.step
+            if stepped and mine.disagrees_with(view, step_before):
+                streaks[key] = self._streaks.get(key, 0) + 1
         self._last_steps = {key: view.step for key, view in others.items()}
-        disagreeing = [view for view in stepping if mine.disagrees_with(view, step_before)]
-        if not disagreeing:
-            self._disagreeing_reads, self._told = 0, False
+        self._streaks = streaks
+        if not streaks:
+            self._told = False
             return None
-        self._disagreeing_reads += 1
-        if self._disagreeing_reads < SPLIT_READS or self._told:
+        split = [others[key] for key, reads in streaks.items() if reads >= SPLIT_READS]
+        if not split or self._told:
             return None
         self._told = True
-        return split_warning(mine, disagreeing, self._disagreeing_reads)
+        return split_warning(mine, split, SPLIT_READS)

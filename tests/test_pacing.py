@@ -224,12 +224,3 @@ def test_a_lone_claim_of_the_next_step_is_not_followed_before_the_batch_was_coun
         assert [read_beside(tracker, 1, 0).epoch for _ in range(2)] == [0, 0]
     finally:
         tracker.shutdown()
-
-
-def test_the_averagers_looking_under_one_group_key_read_it_at_a_bounded_rate_together():
-    from sahajbert.hivemind_ext.averaging.matchmaking import GROUP_KEY_READS_PER_SECOND, leader_read_seconds
-
-    assert [leader_read_seconds(n) for n in (0, 1, 8)] == [LEADER_READ_SECONDS] * 3  # small swarms as before
-    assert leader_read_seconds(16) == 1.0 and leader_read_seconds(32) == 2.0
-    for looking in range(8, 257):
-        assert looking / leader_read_seconds(looking) <= GROUP_KEY_READS_PER_SECOND

@@ -23,36 +23,22 @@ logger = logging.getLogger(__name__)
 # most of an idle trainer's CPU went to these reads and their answers. A group forms over a matchmaking time of
 # seconds, so learning of a better leader up to this much later costs a round nothing measurable
 LEADER_READ_SECONDS = 0.5
-# and the most reads a second that all the averagers looking under one group key make of it together: each read is a
-# beam search through the DHT's nodes (answered by up to tens of them), so reads at a fixed pace per averager load
-# every node in proportion to the swarm's size: 32 data-parallel trainers kept 2 cores busy and their matchmaking asks
-# went unanswered. Above 8 averagers looking at once each one reads less often (32: every 2 s)
-GROUP_KEY_READS_PER_SECOND = 16.0
-
-
-def leader_read_seconds(looking: int) -> float:
-    """Seconds between two reads of a group key by one averager, when `looking` averagers were declared under it at
-    the last read."""
-    return max(LEADER_READ_SECONDS, looking / GROUP_KEY_READS_PER_SECOND)
 
 
 class PacedLeaders(PotentialLeaders):
-    """hivemind's search for a leader, reading the group key at most every LEADER_READ_SECONDS, and less often when
-    many averagers look under it (`leader_read_seconds`)."""
+    """hivemind's search for a leader, reading the group key at most every LEADER_READ_SECONDS."""
 
     async def _update_queue_periodically(self, key_manager: GroupKeyManager) -> None:
         """Follows hivemind 1.1.12's PotentialLeaders._update_queue_periodically (hivemind/averaging/matchmaking.py),
-        with a pause before each read that comes sooner than `leader_read_seconds` after the last."""
+        with a pause before each read that comes sooner than LEADER_READ_SECONDS after the last."""
         slack = MAX_DHT_TIME_DISCREPANCY_SECONDS
-        last_read, looking = -math.inf, 0
+        last_read = -math.inf
         while get_dht_time() < self.search_end_time:
-            pause = leader_read_seconds(looking)
-            pause = min(last_read + pause - time.monotonic(), self.search_end_time - get_dht_time())
+            pause = min(last_read + LEADER_READ_SECONDS - time.monotonic(), self.search_end_time - get_dht_time())
             if pause > 0:
                 await asyncio.sleep(pause)
             last_read = time.monotonic()
             new_peers = await key_manager.get_averagers(key_manager.current_key, only_active=True)
-            looking = len(new_peers)
             self.max_assured_time = max(self.max_assured_time, get_dht_time() + self.min_matchmaking_time - slack)
 
             self.leader_queue.clear()

@@ -36,7 +36,7 @@ class LocalMetrics(pydantic.BaseModel):
     samples_contributed: pydantic.conint(ge=0, strict=True) = 0  # since it started, as its log counts them
     recent: pydantic.conlist(StepEntry, max_items=RECENT_STEPS) = []  # its last steps, oldest first
     status: pydantic.constr(strict=True, regex="^(" + "|".join(PEER_STATUSES) + ")$") = "training"
-    # how many peers report progress to it (0: not said): the others compare it with theirs (sahajbert.split_watch)
+    # the most peers it saw report progress over the last two reads of the others (0: not said; sahajbert.split_watch)
     peers_seen: pydantic.conint(ge=0, strict=True) = 0
 
 

@@ -21,14 +21,19 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     peer_args, script_args = parse_args(FLAGS, argv)
     if script_args.auto_config:
-        from sahajbert.devices import auto_configure, describe_device
+        from sahajbert.devices import auto_configure, choose_precision, describe_device
+        from sahajbert.memory import check_fit, free_memory
 
         device = describe_device(peer_args.training_args.device)
         hardware = auto_configure(device)
-        print(f"auto config for {device.name}: {' '.join(hardware.as_flags())}", flush=True)
         # explicit flags come after the automatic ones, so they win (a settings file stays first)
         settings = argv[:1] if argv and argv[0].endswith(".json") else []
         peer_args, script_args = parse_args(FLAGS, settings + hardware.as_flags() + argv[len(settings) :])
+        precision = choose_precision(device, peer_args.training_args.precision)
+        fit = check_fit(peer_args, device, precision, *free_memory(device))
+        print(f"auto config for {device.name}: {' '.join(hardware.as_flags())}; {fit.line()}", flush=True)
+        if not fit.fits:
+            print(f"it may not fit: {fit.advice}", flush=True)
     if script_args.check:
         from sahajbert.preflight import run_checks
 

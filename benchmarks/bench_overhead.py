@@ -6,7 +6,9 @@ LAMB step every --passes_per_step passes, no hivemind) and run_trainer.py alone 
 the offloaded optimizer and delayed updates, its DHT, averager processes and p2p daemon). Both are processes of their
 own with the same number of math threads. Measured: samples/s after the first optimizer step, and peak memory as PSS
 of the process and all its children (so that pages they share count once), sampled every 0.25 s, with the trainer's
-peak split by process. Modes: data parallel (`dp`) and DiLoCo (`diloco`: an inner step per plain-loop step).
+peak split by process. The plain loop runs a second time with the allocator setting the trainer makes (tensors of
+8 MiB and more mapped on their own: sahajbert.memory), for its memory only. Modes: data parallel (`dp`) and DiLoCo
+(`diloco`: an inner step per plain-loop step).
 `--output_json FILE` writes one object per model and mode; `--device cuda` measures on a GPU (benchmarks/gpu_check.py).
 """
 
@@ -155,18 +157,30 @@ def run_measured(command: list[str], env: dict, log: Path, timeout: float, gpu: 
 DILOCO_INNER_STEPS = 2
 
 
-def measure_plain(args, model: str, workdir: Path) -> tuple[float, PeakPss]:
-    """The plain loop: its samples/s and memory samples."""
+def measure_plain(args, model: str, workdir: Path, trainer_allocator: bool = False) -> tuple[float, PeakPss]:
+    """The plain loop: its samples/s and memory samples; with `trainer_allocator`, with the allocator setting the
+    trainer makes (sahajbert.memory.return_large_frees), to tell that setting's share from the trainer's own."""
     from sahajbert.localswarm import peer_env
 
     env = {**peer_env(), "OMP_NUM_THREADS": str(args.threads)}
     common = ["--model", model, "--max_seq_length", str(args.max_seq_length), "--batch_size", str(args.batch_size)]
     common += ["--steps", str(args.steps), "--passes_per_step", str(args.passes_per_step)]
     common += ["--device", args.device, "--precision", args.precision]
-    plain_log = workdir / f"plain-{model}.log"
+    common += ["--return_large_frees"] if trainer_allocator else []
+    plain_log = workdir / f"plain-{model}{'-tuned' if trainer_allocator else ''}.log"
     command = [sys.executable, __file__, "--plain", *common]
     plain_memory = run_measured(command, env, plain_log, args.timeout, gpu=args.device == "cuda")
     return json.loads(plain_log.read_text().strip().splitlines()[-1])["samples_per_second"], plain_memory
+
+
+def trainer_estimate(args, model: str):
+    """sahajbert.memory's estimate of the measured trainer's peak (the bench's tokenizer, batch and precision)."""
+    from sahajbert.memory import estimate_peak
+    from sahajbert.model import load_config
+    from sahajbert.tokenization import load_tokenizer
+
+    config = load_config(model, load_tokenizer("sample"))
+    return estimate_peak(config, args.batch_size, args.max_seq_length, args.device, args.precision)
 
 
 def measure(args, model: str, mode: str, workdir: Path, plain: float, plain_memory: PeakPss) -> dict:
@@ -201,6 +215,7 @@ def measure(args, model: str, mode: str, workdir: Path, plain: float, plain_memo
     trainer_log = workdir / f"trainer-{model}-{mode}.log"
     command = [sys.executable, str(REPO / "run_trainer.py"), *flags]
     trainer_memory = run_measured(command, env, trainer_log, args.timeout, gpu=args.device == "cuda")
+    estimate = trainer_estimate(args, model)
     records = read_train_log(output)
     measured = [r for r in records if r.step > 1]
     if not measured:
@@ -215,6 +230,10 @@ def measure(args, model: str, mode: str, workdir: Path, plain: float, plain_memo
         "plain_peak_pss_mib": plain_memory.peak / 2**20,
         "trainer_peak_pss_mib": trainer_memory.peak / 2**20,
         "memory_ratio": trainer_memory.peak / plain_memory.peak,
+        # what --check and --auto_config estimate for this trainer before it joins (sahajbert.memory), host and GPU
+        "estimated_peak_pss_mib": estimate.host_bytes / 2**20,
+        "estimate_error": estimate.host_bytes / trainer_memory.peak - 1,
+        "estimated_peak_gpu_mib": None if estimate.device_bytes is None else estimate.device_bytes / 2**20,
         # None where nothing was read (no GPU; or nvidia-smi reports the pids of another namespace, in a container)
         "plain_peak_gpu_mib": plain_memory.gpu_peak / 2**20 or None,
         "trainer_peak_gpu_mib": trainer_memory.gpu_peak / 2**20 or None,
@@ -253,10 +272,15 @@ def main(argv=None) -> int:
     parser.add_argument("--output_json", type=Path, help="also write the rows to this file (a list of objects)")
     parser.add_argument("--plain", action="store_true", help=argparse.SUPPRESS)  # the plain loop's own process
     parser.add_argument("--model", default="sahajbert", help=argparse.SUPPRESS)
+    parser.add_argument("--return_large_frees", action="store_true", help=argparse.SUPPRESS)  # the plain loop's
     args = parser.parse_args(argv)
     if args.precision == "fp16" and args.device != "cuda":
         parser.error("--precision fp16 needs --device cuda")
     if args.plain:
+        if args.return_large_frees:
+            from sahajbert.memory import return_large_frees
+
+            return_large_frees()
         plain_loop(args)
         return 0
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -264,8 +288,13 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models:
             plain = measure_plain(args, model, Path(tmp))  # once per model, just before its trainers
+            tuned = measure_plain(args, model, Path(tmp), trainer_allocator=True)[1].peak / 2**20
             for mode in args.modes:
-                rows.append(measure(args, model, mode, Path(tmp), *plain))
+                row = measure(args, model, mode, Path(tmp), *plain)
+                # the same plain loop with the trainer's allocator setting: what of the gap is the setting's
+                row["plain_trainer_allocator_peak_pss_mib"] = tuned
+                row["memory_ratio_same_allocator"] = row["trainer_peak_pss_mib"] / tuned
+                rows.append(row)
     print("command: python benchmarks/bench_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv))
     print(
         f"\nseq {args.max_seq_length}, batch {args.batch_size} x {args.passes_per_step} passes per step, "
@@ -274,14 +303,17 @@ def main(argv=None) -> int:
     )
     print(
         "| model | mode | plain loop, samples/s | trainer alone, samples/s | ratio | plain loop, peak PSS MiB "
-        "| trainer + children, peak PSS MiB | ratio |"
+        "| trainer + children, peak PSS MiB | ratio | plain loop, trainer's allocator setting | ratio "
+        "| estimated peak MiB (error) |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['model']} | {r['mode']} | {r['plain_samples_per_s']:.2f} | {r['trainer_samples_per_s']:.2f} "
             f"| {r['throughput_ratio']:.2f} | {r['plain_peak_pss_mib']:.0f} | {r['trainer_peak_pss_mib']:.0f} "
-            f"| {r['memory_ratio']:.2f} |"
+            f"| {r['memory_ratio']:.2f} | {r['plain_trainer_allocator_peak_pss_mib']:.0f} "
+            f"| {r['memory_ratio_same_allocator']:.2f} "
+            f"| {r['estimated_peak_pss_mib']:.0f} ({r['estimate_error']:+.0%}) |"
         )
     print("\nthe trainer's processes at its peak: PSS MiB (private MiB)\n")
     print("| model | mode | main | forked by hivemind (DHT, averagers), torch_shm_manager | p2p daemon |")

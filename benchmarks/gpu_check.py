@@ -124,11 +124,15 @@ def overhead_row(workdir: Path, device: str, quick: bool, timeout: float) -> tup
             return ""
         if row["trainer_peak_gpu_mib"] is None:  # nvidia-smi reports other pids in some containers
             return ", GPU memory not read"
-        return f", GPU {row['trainer_peak_gpu_mib']:.0f}/{row['plain_peak_gpu_mib']:.0f} MiB"
+        # measured against sahajbert.memory's estimate (what --check prints), untested on a GPU before this run
+        return (
+            f", GPU {row['trainer_peak_gpu_mib']:.0f}/{row['plain_peak_gpu_mib']:.0f} MiB "
+            f"(estimated {row['estimated_peak_gpu_mib']:.0f})"
+        )
 
     text = "; ".join(
         f"{r['model']} {r['mode']} {r['precision']}: {r['throughput_ratio']:.2f}x samples/s, "
-        f"{r['memory_ratio']:.2f}x host memory{gpu(r)}"
+        f"{r['memory_ratio']:.2f}x host memory (estimate {r['estimate_error']:+.0%}){gpu(r)}"
         for r in rows
     )
     return True, text, rows

@@ -38,18 +38,12 @@ ROUNDS_PER_STEP = 2  # a global step: the gradient all-reduce, then the paramete
 UNBOUNDED_STEPS = 1_000_000  # --max_steps of a soak bounded by --minutes: it stops them
 
 
-def tree_rss(process: psutil.Process) -> int:
-    """Resident bytes of a process and all its descendants (hivemind forks, p2pd)."""
-    total = 0
+def tree_rss(peer: PeerProcess) -> int:
+    """Resident bytes of a peer's process and its descendants (hivemind's forks, p2pd), as scale.py samples them."""
     try:
-        for p in [process, *process.children(recursive=True)]:
-            try:
-                total += p.memory_info().rss
-            except psutil.NoSuchProcess:
-                pass
-    except psutil.NoSuchProcess:
-        pass
-    return total
+        return scale.tree_usage(psutil.Process(peer.process.pid))[0]
+    except psutil.NoSuchProcess:  # it exited since it was seen running
+        return 0
 
 
 def soak(args, workdir: Path) -> dict:
@@ -92,10 +86,8 @@ def soak(args, workdir: Path) -> dict:
                 raise TimeoutError(f"the soak did not finish in {args.timeout:.0f} s")
             if now >= next_sample:
                 log = read_train_log(workdir / "trainer0")
-                rss = {"first_peer": tree_rss(psutil.Process(first_peer.process.pid))}
-                rss.update(
-                    {name: tree_rss(psutil.Process(p.process.pid)) for name, p in trainers.items() if p.running()}
-                )
+                rss = {"first_peer": tree_rss(first_peer)}
+                rss.update({name: tree_rss(p) for name, p in trainers.items() if p.running()})
                 samples.append({"time": now - started, "step": log[-1].step if log else 0, "rss": rss})
                 next_sample = now + args.sample_every
             step = max((r.step for r in read_train_log(workdir / "trainer0")[-1:]), default=0)

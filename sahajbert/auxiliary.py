@@ -8,7 +8,7 @@ import logging
 import time
 from pathlib import Path
 
-from sahajbert import adaptive, checkpoints, records
+from sahajbert import adaptive, checkpoints, memory, records
 from sahajbert.cli import UserError
 from sahajbert.dashboard import Dashboard
 from sahajbert.flags import AuxPeerArguments, PeerArguments
@@ -61,6 +61,7 @@ class HubUploader:
 
 def run_aux_peer(peer_args: PeerArguments, aux_args: AuxPeerArguments) -> None:
     """Run the aux peer until SIGINT/SIGTERM; it always leaves the swarm cleanly."""
+    memory.return_large_frees()  # before the model and hivemind's forked processes allocate
     with StopRequest("stopping") as stop, AuxPeer(peer_args, aux_args) as peer:
         peer.run(stop)
 

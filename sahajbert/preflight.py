@@ -92,6 +92,25 @@ def check_disk(output_dir: str, model: str, keep: int) -> Check:
     return Check("disk space", "ok", detail)
 
 
+def check_memory(peer_args: PeerArguments) -> Check:
+    """The trainer's estimated peak memory (sahajbert.memory) against what this machine has free now."""
+    from sahajbert.devices import choose_precision, describe_device
+    from sahajbert.memory import check_fit, free_memory
+
+    training_args = peer_args.training_args
+    device = describe_device(training_args.device)
+    precision = choose_precision(device, training_args.precision)
+    host_free, device_free = free_memory(device)
+    fit = check_fit(peer_args, device, precision, host_free, device_free)
+    if fit.fits:
+        return Check("memory", "ok", fit.line())
+    # within the estimate's own error of what is free: it may fit, or be stopped by the system when it does not
+    tight = fit.estimate.host_bytes <= fit.host_free and (
+        device_free is None or fit.estimate.device_bytes <= device_free
+    )
+    return Check("memory", "warn" if tight else "fail", fit.line() + ("; tight" if tight else ""), fit.advice)
+
+
 # what a volunteer behind NAT does for direct connections (faster, and no load on the relay)
 FORWARD_PORT = (
     "forward a TCP port on your router to this machine, then pass --host_maddrs /ip4/0.0.0.0/tcp/PORT "
@@ -155,6 +174,7 @@ def run_checks(peer_args: PeerArguments) -> list[Check]:
         check_versions(),
         check_open_files(),
         check_disk(training_args.output_dir, peer_args.model_args.model, training_args.keep_checkpoints),
+        check_memory(peer_args),
     ]
     try:
         validate_initial_peers(swarm_args.initial_peers)

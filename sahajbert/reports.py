@@ -130,12 +130,12 @@ class PeerReports:
     def log_progress(self) -> None:
         """Every --log_every_seconds: the swarm's progress toward the next global step; and a word if the other
         trainers' records show a swarm that is not the one this peer sees (sahajbert.split_watch)."""
-        self.split_watch.saw(accessors.position(self.optimizer).peers)
+        position = accessors.position(self.optimizer)
+        self.split_watch.saw(position.peers)
         if self.optimizer.is_synchronized_with_peers():  # a peer catching up is at another step than the others
             self.split_watch.poll(self.optimizer.local_epoch)
         if time.monotonic() - self._last_progress_line < self.log_every_seconds:
             return
-        position = accessors.position(self.optimizer)
         logger.info(
             f"step {position.local_step}: {self.optimizer.step_progress()} from {position.peers} peer(s); "
             f"this peer {accessors.own_samples_per_second(self.optimizer):.1f} samples/s"

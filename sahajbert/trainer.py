@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from accelerate import PartialState
 
-from sahajbert import adaptive, checkpoints
+from sahajbert import adaptive, checkpoints, memory
 from sahajbert.cli import UserError
 from sahajbert.compute import Compute, build_compute
 from sahajbert.devices import DeviceInfo, choose_precision, describe_device
@@ -52,6 +52,7 @@ class TrainResult:
 
 def train(peer_args: PeerArguments) -> TrainResult:
     """Run one trainer peer until --max_steps, SIGINT or SIGTERM; it always leaves the swarm cleanly."""
+    memory.return_large_frees()  # before the model and hivemind's forked processes allocate
     with StopRequest("stopping after the current pass") as stop, TrainerPeer(peer_args) as peer:
         return peer.run(stop)
 

@@ -70,18 +70,23 @@ def test_check_passes_against_a_running_first_peer(swarm, tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
     out = result.stdout
-    assert "auto config for cpu: --device cpu --precision fp32 --per_device_train_batch_size 2\n" in out
+    # the flags it chose, then its estimate of the trainer's peak memory
+    assert (
+        "auto config for cpu: --device cpu --precision fp32 --per_device_train_batch_size 2; estimated peak host "
+        in out
+    )
     for item in (
         "versions",
         "open-files limit",
         "disk space",
+        "memory",
         "p2pd starts",
         "initial peers answer",
     ):
         assert f"[ ok ] {item}" in out, out
     # a swarm on 127.0.0.1: nothing to be reached from, and no public relay to test against (a warning, not a fail)
     assert "[warn] reachable from outside: only private or loopback addresses, and no public relay" in out, out
-    assert "5/6 checks passed; 1 with a warning: reachable from outside\n" in out, out
+    assert "6/7 checks passed; 1 with a warning: reachable from outside\n" in out, out
 
 
 @pytest.mark.slow

@@ -1,0 +1,108 @@
+"""The memory estimate --check and --auto_config print (sahajbert.memory): the activations it counts on the meta device
+are the ones a real pass keeps, and a machine too small gets one line that names settings that fit. Against measured
+peaks at the real sizes: test_the_estimate_is_within_15_percent_of_a_measured_trainer (make test-scale)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sahajbert.devices import DeviceInfo
+from sahajbert.flags import CorpusArguments, LocalTrainingArguments, ModelArguments, PeerArguments
+from sahajbert.memory import GIB, MIB, check_fit, estimate_peak, saved_activation_bytes, trainer_estimate
+from sahajbert.model import load_config, model_class
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU = DeviceInfo("cpu", "cpu")
+T4 = DeviceInfo("cuda", "Tesla T4", (7, 5), 15.0)
+
+
+def saved_by_a_real_pass(config, batch: int, seq: int) -> int:
+    """Bytes autograd keeps in a real forward pass on the CPU, each storage once (by its address)."""
+    torch.manual_seed(0)
+    model = model_class(config)(config).train()
+    storages, kept = {}, []
+
+    def pack(tensor):
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        kept.append(tensor)
+        return tensor
+
+    ids = torch.randint(5, config.vocab_size, (batch, seq))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(input_ids=ids, labels=ids, sentence_order_label=torch.zeros(batch, dtype=torch.long))
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("model,batch,seq", [("tiny", 4, 128), ("tiny-xl", 2, 256)])
+def test_activations_counted_on_the_meta_device_are_what_a_real_pass_keeps(tokenizer, model, batch, seq):
+    config = load_config(model, tokenizer)
+    counted = saved_activation_bytes(config, batch, seq)
+    real = saved_by_a_real_pass(config, batch, seq)
+    assert counted == pytest.approx(real, rel=0.15)
+    # and they grow with the batch as a pass's activations do
+    assert saved_activation_bytes(config, 2 * batch, seq) == pytest.approx(2 * counted, rel=0.05)
+
+
+def peer_args(model: str, batch: int, seq: int = 512, accumulate: int = 1, checkpointing: bool = False):
+    return PeerArguments(
+        model_args=ModelArguments(model=model),
+        training_args=LocalTrainingArguments(
+            per_device_train_batch_size=batch,
+            gradient_accumulation_steps=accumulate,
+            gradient_checkpointing=checkpointing,
+        ),
+        corpus_args=CorpusArguments(tokenizer_path="sample", max_seq_length=seq),
+    )
+
+
+def test_a_trainer_too_big_for_the_host_is_told_the_batch_that_fits():
+    args = peer_args("sahajbert", batch=16, accumulate=2)
+    big = trainer_estimate(args, CPU, "fp32")
+    fit = check_fit(args, CPU, "fp32", host_free=big.host_bytes // 2)
+    assert not fit.fits and fit.estimate == big
+    assert "--per_device_train_batch_size" in fit.advice and "\n" not in fit.advice
+    batch = int(fit.advice.split("--per_device_train_batch_size ")[1].split()[0])
+    accumulate = int(fit.advice.split("--gradient_accumulation_steps ")[1].split()[0])
+    assert batch < 16 and batch * accumulate == 16 * 2  # the same samples per pass
+    smaller = trainer_estimate(args, CPU, "fp32", batch=batch)
+    assert smaller.host_bytes < big.host_bytes // 2  # the advice's settings fit where the asked ones did not
+    assert check_fit(args, CPU, "fp32", host_free=100 * GIB).fits
+    too_small = check_fit(args, CPU, "fp32", host_free=100 * MIB)
+    assert "use a machine with more memory" in too_small.advice
+
+
+def test_on_a_gpu_the_estimate_splits_host_and_device_and_checkpointing_lowers_the_device_part():
+    plain = trainer_estimate(peer_args("sahajbert", batch=16), T4, "fp16")
+    recomputed = trainer_estimate(peer_args("sahajbert", batch=16, checkpointing=True), T4, "fp16")
+    assert plain.device_bytes is not None and recomputed.device_bytes < plain.device_bytes / 2
+    assert recomputed.host_bytes == plain.host_bytes  # activations live on the GPU: the host part does not change
+    # a device that holds the asked batch only when recomputing is told a smaller batch that fits as it is
+    fit = check_fit(peer_args("sahajbert", batch=16), T4, "fp16", host_free=100 * GIB, device_free=plain.device_bytes)
+    assert not fit.fits and "--per_device_train_batch_size 8 --gradient_accumulation_steps 2" in fit.advice
+    # at batch 1 on a device of 0 bytes nothing fits: checkpointing is the last thing to suggest on a GPU
+    nothing = check_fit(peer_args("sahajbert", batch=1), T4, "fp16", host_free=100 * GIB, device_free=0)
+    assert "--gradient_checkpointing" in nothing.advice
+
+
+def test_the_larger_preset_is_estimated_larger_at_every_part(tokenizer):
+    small, large = (estimate_peak(load_config(m, tokenizer), 2, 128) for m in ("sahajbert", "sahajbert-xl"))
+    assert large.parameters > 4 * small.parameters
+    assert large.host_bytes > small.host_bytes and large.activation_bytes > small.activation_bytes
+
+
+@pytest.mark.scale
+@pytest.mark.timeout(1200)
+def test_the_estimate_is_within_15_percent_of_a_measured_trainer(tmp_path):
+    """benchmarks/bench_overhead.py measures a real trainer alone at the sahajbert preset (peak PSS of its process
+    tree); the estimate of the same settings is within 15% of it."""
+    output = tmp_path / "overhead.json"
+    command = [sys.executable, str(ROOT / "benchmarks" / "bench_overhead.py"), "--models", "sahajbert"]
+    command += ["--batch_size", "2", "--passes_per_step", "2", "--steps", "3", "--output_json", str(output)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1150)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for row in json.loads(output.read_text()):
+        assert abs(row["estimate_error"]) <= 0.15, row

@@ -21,15 +21,18 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     peer_args, script_args = parse_args(FLAGS, argv)
     if script_args.auto_config:
-        from sahajbert.devices import auto_configure, choose_precision, describe_device
+        from sahajbert.devices import auto_configure, describe_device, trainer_precision
         from sahajbert.memory import check_fit, free_memory
+        from sahajbert.model import read_config, supports_gradient_checkpointing
 
         device = describe_device(peer_args.training_args.device)
-        hardware = auto_configure(device)
+        can_recompute = supports_gradient_checkpointing(read_config(peer_args.model_args.model))
+        hardware = auto_configure(device, can_recompute, bool(peer_args.optimizer_args.diloco_inner_steps))
         # explicit flags come after the automatic ones, so they win (a settings file stays first)
         settings = argv[:1] if argv and argv[0].endswith(".json") else []
         peer_args, script_args = parse_args(FLAGS, settings + hardware.as_flags() + argv[len(settings) :])
-        precision = choose_precision(device, peer_args.training_args.precision)
+        diloco = bool(peer_args.optimizer_args.diloco_inner_steps)
+        precision = trainer_precision(device, peer_args.training_args.precision, diloco)
         fit = check_fit(peer_args, device, precision, *free_memory(device))
         print(f"auto config for {device.name}: {' '.join(hardware.as_flags())}; {fit.line()}", flush=True)
         if not fit.fits:

@@ -52,6 +52,20 @@ def choose_precision(device: DeviceInfo, requested: str = "auto") -> str:
     return requested
 
 
+def trainer_precision(device: DeviceInfo, requested: str, diloco: bool) -> str:
+    """choose_precision for a trainer: DiLoCo (`diloco`) steps its inner optimizer without hivemind's fp16 loss scaler,
+    so it computes in fp32 where fp16 would be the automatic choice, and refuses fp16 asked for."""
+    precision = choose_precision(device, requested)
+    if diloco and precision == "fp16":
+        if requested == "auto":
+            return "fp32"
+        raise UserError(
+            "--diloco_inner_steps steps its inner optimizer without hivemind's fp16 gradient scaler: "
+            "use --precision bf16 or fp32"
+        )
+    return precision
+
+
 def autocast_dtype(precision: str) -> torch.dtype | None:
     return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
 
@@ -79,12 +93,14 @@ class HardwareConfig:
         return flags
 
 
-def auto_configure(device: DeviceInfo) -> HardwareConfig:
+def auto_configure(device: DeviceInfo, can_recompute: bool = True, diloco: bool = False) -> HardwareConfig:
     """Pick precision, batch size and gradient checkpointing for sahajBERT (sequence 512) on `device`.
 
-    Sizes follow accelerator memory (GiB): below 24 GiB activations are recomputed (gradient checkpointing); fp32
-    halves what fits. Reachability is not the hardware's: a trainer behind NAT (Colab, Kaggle, home) becomes
-    reachable through a relay, or joins in client mode by itself when none takes it (sahajbert.swarm.reachability).
+    Sizes follow accelerator memory (GiB): below 24 GiB activations are recomputed (gradient checkpointing) where the
+    model can (`can_recompute`: sahajbert.model.supports_gradient_checkpointing); fp32 halves what fits; a DiLoCo
+    trainer (`diloco`) takes no fp16. The memory estimate (sahajbert.memory) then says whether the choice fits.
+    Reachability is not the hardware's: a trainer behind NAT (Colab, Kaggle, home) becomes reachable through a relay,
+    or joins in client mode by itself when none takes it (sahajbert.swarm.reachability).
     A TPU host is described as kind "tpu" with its total memory; it computes in float32 (bf16 diverged in
     sahajBERT-XL), 8 examples per core.
     """
@@ -92,8 +108,8 @@ def auto_configure(device: DeviceInfo) -> HardwareConfig:
         return HardwareConfig("tpu", "fp32", 8, False)
     if device.kind == "cpu":
         return HardwareConfig("cpu", "fp32", 2, False)
-    precision = choose_precision(device, "auto")
-    checkpointing = device.memory_gib < 24
+    precision = trainer_precision(device, "auto", diloco)  # DiLoCo: fp32 where fp16 would be chosen
+    checkpointing = device.memory_gib < 24 and can_recompute
     budget = device.memory_gib * (1.0 if checkpointing else 0.75) * (1.0 if precision == "fp16" else 0.5)
     batch = 1
     while batch * 2 <= budget and batch < 64:  # the largest power of two that fits

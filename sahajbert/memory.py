@@ -12,9 +12,12 @@ import copy
 import ctypes
 import ctypes.util
 from dataclasses import dataclass
+from pathlib import Path
+from unittest import mock
 
 import torch
 
+from sahajbert.cli import UserError
 from sahajbert.devices import DeviceInfo
 from sahajbert.flags import PeerArguments
 
@@ -45,10 +48,11 @@ def return_large_frees(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
 # Copies of the parameters (fp32) a CPU trainer holds at its peak: a plain PyTorch loop's 4 (weights, gradients, LAMB's
 # two moments); the offloaded master parameters and their gradients (2), hivemind's gradient accumulators and
 # averaging buffer (2), the state averager's buffer (1), the last good state for rollback (3); and what grows with the
-# model beyond them: LAMB's per-step temporaries, DiLoCo's outer state, the forked processes' private pages. Fitted
-# with the activation term below on both presets and both modes (bench_overhead.py, batch 4 and 2 x 128 tokens):
-# 17.3 copies in data-parallel mode, 18.5 with DiLoCo; each of the 4 measured peaks within 5% of the estimate.
-TRAINER_COPIES_CPU = 17.5
+# model beyond them: the weights a pass keeps for its backward pass, LAMB's per-step temporaries, DiLoCo's outer
+# state, the forked processes' private pages. Fitted by least squares with the activation factor below on 8 measured
+# peaks (bench_overhead.py, two runs of both modes: sahajbert at 4, sahajbert-xl at 2 examples of 128 tokens): 18.5
+# copies and 1.05x the saved activations; every one of the 8 within 3.0% of its estimate.
+TRAINER_COPIES_CPU = 18.5
 # With the model on an accelerator, the accelerator holds its parameters and gradients, the host the other copies.
 # Not yet measured on a GPU (benchmarks/gpu_check.py prints the estimate beside nvidia-smi's peak).
 DEVICE_COPIES_ACCELERATOR = 2
@@ -63,15 +67,33 @@ CUDA_CONTEXT_BYTES = 500 * MIB
 # Autocast keeps most saved activations in 16 bits, softmax, norms and the loss in 32: about 0.6 of fp32's bytes.
 HALF_PRECISION_ACTIVATION_SHARE = 0.6
 # A pass's peak beyond the activations autograd saved (the backward pass's gradients of activations, the allocator's
-# slack), as a factor: 0.98-1.03 in the fit above, with the trainer's allocator setting (glibc's default kept up to
-# 1.8x the saved bytes in a plain loop at sahajbert-xl).
-ACTIVATION_PEAK_FACTOR = 1.0
+# slack), as a factor: fitted above, with the trainer's allocator setting (glibc's default kept up to 1.8x the saved
+# bytes in a plain loop at sahajbert-xl).
+ACTIVATION_PEAK_FACTOR = 1.05
+
+
+class _FusedAttention(torch.autograd.Function):
+    """scaled_dot_product_attention as the fused kernels that compute it on CPUs and GPUs keep it for the backward
+    pass: queries, keys, values, output and one log-sum-exp per query (no batch x heads x seq x seq probabilities,
+    which the meta device's reference decomposition would keep). Shapes only: it runs on the meta device."""
+
+    @staticmethod
+    def forward(ctx, query, key, value):
+        output = query.new_empty(*query.shape[:-1], value.shape[-1])
+        ctx.save_for_backward(query, key, value, output, query.new_empty(query.shape[:-1]))
+        return output
+
+
+def _fused_attention(query, key, value, *args, **kwargs):
+    return _FusedAttention.apply(query, key, value)
 
 
 def saved_activation_bytes(config, batch: int, seq: int) -> int:
     """Bytes autograd keeps for the backward pass of one pretraining forward pass of `batch` x `seq` tokens in fp32,
-    counted on the meta device (each storage once: views of one tensor share it)."""
+    counted on the meta device: each storage once (views of one tensor share it), the parameters' own not at all
+    (a layer keeps its weight for the backward pass; that is a copy counted apart)."""
     model = _meta_model(config).train()
+    weights = {parameter.untyped_storage()._cdata for parameter in model.parameters()}
     with torch.device("meta"):
         ids = torch.randint(5, config.vocab_size, (batch, seq))
         order = torch.zeros(batch, dtype=torch.long)
@@ -80,13 +102,15 @@ def saved_activation_bytes(config, batch: int, seq: int) -> int:
 
     def pack(tensor):
         storage = tensor.untyped_storage()
-        storages[storage._cdata] = storage.nbytes()
+        if storage._cdata not in weights:
+            storages[storage._cdata] = storage.nbytes()
         kept.append(tensor)
         return tensor
 
     # no attention mask: a full batch of `seq` tokens is the largest a pass takes, and the meta device cannot decide
     # whether a mask is all ones
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    fused = mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", _fused_attention)
+    with fused, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         model(input_ids=ids, labels=ids, sentence_order_label=order)
     return sum(storages.values())
 
@@ -94,7 +118,8 @@ def saved_activation_bytes(config, batch: int, seq: int) -> int:
 @dataclass(frozen=True)
 class MemoryEstimate:
     host_bytes: int
-    device_bytes: int | None  # on the accelerator; None for a CPU peer
+    device_bytes: int | None  # on the accelerator; None where the activations live in host memory (CPU) or are not
+    # estimated (a TPU's own memory)
     parameters: int
     activation_bytes: int  # of one pass, at its peak, on the device that computes
 
@@ -109,26 +134,25 @@ def estimate_peak(
     config, batch: int, seq: int, device_kind: str = "cpu", precision: str = "fp32", checkpointing: bool = False
 ) -> MemoryEstimate:
     """A trainer's peak memory with `config`, `batch` examples of `seq` tokens per pass, on `device_kind` ("cpu",
-    "cuda"; a TPU host is estimated as a CPU peer), in `precision`, with gradient checkpointing or not."""
+    "cuda", "tpu": a TPU host keeps the model's copies in host memory, its activations on the TPU, not estimated), in
+    `precision`, with gradient checkpointing or not (a model that cannot recompute is refused by the trainer)."""
     parameters = sum(p.numel() for p in _meta_model(config).parameters())
     one_copy = parameters * 4  # fp32: what every copy of the parameters is kept in, whatever the compute precision
-    if checkpointing:  # each layer's input kept; the embeddings', the head's and one layer's activations at a time
+    half = HALF_PRECISION_ACTIVATION_SHARE if precision in ("fp16", "bf16") else 1.0
+    if checkpointing:  # the embeddings', the head's and one layer's activations, and every other layer's input (fp32)
         one_layer = copy.deepcopy(config)
         one_layer.num_hidden_layers = 1
-        saved = (
-            saved_activation_bytes(one_layer, batch, seq)
-            + config.num_hidden_layers * batch * seq * config.hidden_size * 4
-        )
+        inputs = (config.num_hidden_layers - 1) * batch * seq * config.hidden_size * 4
+        saved = saved_activation_bytes(one_layer, batch, seq) * half + inputs
     else:
-        saved = saved_activation_bytes(config, batch, seq)
-    if precision in ("fp16", "bf16"):
-        saved = int(saved * HALF_PRECISION_ACTIVATION_SHARE)
+        saved = saved_activation_bytes(config, batch, seq) * half
     activations = int(saved * ACTIVATION_PEAK_FACTOR)
+    runtime = RUNTIME_BYTES + TRAINER_RUNTIME_BYTES
     if device_kind == "cuda":
-        host = CUDA_HOST_RUNTIME_BYTES + TRAINER_RUNTIME_BYTES + HOST_COPIES_ACCELERATOR * one_copy
+        host = CUDA_HOST_RUNTIME_BYTES + runtime + HOST_COPIES_ACCELERATOR * one_copy
         device = CUDA_CONTEXT_BYTES + DEVICE_COPIES_ACCELERATOR * one_copy + activations
         return MemoryEstimate(int(host), int(device), parameters, activations)
-    host = RUNTIME_BYTES + TRAINER_RUNTIME_BYTES + TRAINER_COPIES_CPU * one_copy + activations
+    host = runtime + TRAINER_COPIES_CPU * one_copy + (activations if device_kind == "cpu" else 0)
     return MemoryEstimate(int(host), None, parameters, activations)
 
 
@@ -142,18 +166,20 @@ def _meta_model(config):
 def trainer_estimate(
     peer_args: PeerArguments, device: DeviceInfo, precision: str, batch: int | None = None
 ) -> MemoryEstimate:
-    """The estimate for a trainer with `peer_args` on `device` in `precision`; `batch`
-    examples per core instead of --per_device_train_batch_size where given."""
+    """The estimate for a trainer with `peer_args` on `device` in `precision`; `batch` examples per core instead of
+    --per_device_train_batch_size where given."""
     from sahajbert.model import read_config
     from sahajbert.tokenization import load_tokenizer
 
     model_args, training_args = peer_args.model_args, peer_args.training_args
     config = read_config(model_args.model)
-    config.vocab_size = len(load_tokenizer(peer_args.corpus_args.tokenizer_path))  # as the trainer builds it
+    try:  # the model's vocabulary follows the tokenizer, as the trainer builds it
+        config.vocab_size = len(load_tokenizer(peer_args.corpus_args.tokenizer_path))
+    except UserError:  # not loadable here (a Hub name, offline): the preset's is the run tokenizer's (32,000)
+        pass
     per_core = batch or training_args.per_device_train_batch_size
-    kind = "cuda" if device.kind == "cuda" else "cpu"  # a TPU host keeps the model and optimizer in host memory
     seq, checkpointing = peer_args.corpus_args.max_seq_length, training_args.gradient_checkpointing
-    return estimate_peak(config, per_core * device.cores, seq, kind, precision, checkpointing)
+    return estimate_peak(config, per_core * device.cores, seq, device.kind, precision, checkpointing)
 
 
 @dataclass(frozen=True)
@@ -167,7 +193,7 @@ class Fit:
 
     @property
     def fits(self) -> bool:
-        return _fits(self.estimate, self.host_free, self.device_free)
+        return not _short_of(self.estimate, self.host_free, self.device_free)
 
     def line(self) -> str:
         free = f"{self.host_free / GIB:.1f} GiB free on the host"
@@ -176,45 +202,66 @@ class Fit:
         return f"estimated peak {self.estimate.describe()}; {free}"
 
 
-# what is left free at the estimated peak, for the estimate's error (within 15% of measured peaks) and the system
+# An estimate fits where it plus this fraction of itself is free: the estimate's own error (within 15% of the peaks
+# measured, tests/test_memory.py) must not turn a fit into the system stopping the trainer.
 HEADROOM = 0.15
 
 
-def _fits(estimate: MemoryEstimate, host_free: int, device_free: int | None) -> bool:
-    if estimate.host_bytes * (1 + HEADROOM) > host_free:
-        return False
-    return device_free is None or estimate.device_bytes * (1 + HEADROOM) <= device_free
+def _short_of(estimate: MemoryEstimate, host_free: int, device_free: int | None) -> list[str]:
+    """Which memories ("host", "GPU") the estimate with its headroom does not fit."""
+    if (estimate.device_bytes is None) != (device_free is None):
+        raise ValueError("an estimate of GPU memory needs the GPU's free memory, and only then")
+    short = ["host"] if estimate.host_bytes * (1 + HEADROOM) > host_free else []
+    if device_free is not None and estimate.device_bytes * (1 + HEADROOM) > device_free:
+        short.append("GPU")
+    return short
 
 
 def check_fit(
     peer_args: PeerArguments, device: DeviceInfo, precision: str, host_free: int, device_free: int | None = None
 ) -> Fit:
-    """The estimate against `host_free` and `device_free` bytes; where it does not fit, the advice names the largest
-    --per_device_train_batch_size that does (and, on a GPU, --gradient_checkpointing if that is what it takes)."""
+    """The estimate against `host_free` and `device_free` bytes; where it does not fit, one line of advice: the largest
+    --per_device_train_batch_size that fits with the same samples per pass, else what else would."""
+    from sahajbert.model import read_config, supports_gradient_checkpointing
+
     estimate = trainer_estimate(peer_args, device, precision)
-    if _fits(estimate, host_free, device_free):
+    short = _short_of(estimate, host_free, device_free)
+    if not short:
         return Fit(estimate, host_free, device_free)
     training_args = peer_args.training_args
-    batch = training_args.per_device_train_batch_size
-    while batch > 1:
-        batch //= 2
-        if _fits(trainer_estimate(peer_args, device, precision, batch), host_free, device_free):
-            accumulate = training_args.gradient_accumulation_steps * training_args.per_device_train_batch_size // batch
+    per_core, accumulation = training_args.per_device_train_batch_size, training_args.gradient_accumulation_steps
+    samples = per_core * accumulation  # per core and pass: kept, so that the run's step is what it was
+    batch_matters = device.kind == "cpu" or short == ["GPU"]  # on an accelerator the host holds no activations
+    for batch in range(per_core - 1, 0, -1) if batch_matters else ():
+        smaller = trainer_estimate(peer_args, device, precision, batch)
+        if samples % batch == 0 and not _short_of(smaller, host_free, device_free):
             advice = (
-                f"pass --per_device_train_batch_size {batch} --gradient_accumulation_steps {accumulate} "
+                f"pass --per_device_train_batch_size {batch} --gradient_accumulation_steps {samples // batch} "
                 "(the same samples per pass, in smaller forward passes)"
             )
             return Fit(estimate, host_free, device_free, advice)
-    if device.kind == "cuda" and not training_args.gradient_checkpointing:
-        advice = "add --gradient_checkpointing (activations recomputed in the backward pass), then run --check again"
-    else:
-        advice = "at one example per pass it still does not fit: use a machine with more memory or a smaller --model"
+    if short == ["GPU"] and not training_args.gradient_checkpointing:
+        if supports_gradient_checkpointing(read_config(peer_args.model_args.model)):
+            advice = "add --gradient_checkpointing (activations recomputed in the backward pass), then --check again"
+            return Fit(estimate, host_free, device_free, advice)
+    where = " and ".join(short)
+    advice = f"this model does not fit the {where} memory free here: use a machine with more, or a smaller --model"
+    if "GPU" in short:
+        advice += " or --max_seq_length"
     return Fit(estimate, host_free, device_free, advice)
 
 
 def free_memory(device: DeviceInfo) -> tuple[int, int | None]:
-    """Bytes free now on the host (what can be taken without swapping) and, for a CUDA peer, on its GPU."""
+    """Bytes free now on the host (what can be taken without swapping, within this container's limit where one is
+    set) and, for a CUDA peer, on its GPU."""
     import psutil
 
+    host = psutil.virtual_memory().available
+    try:  # cgroup v2: a container's limit, which psutil's machine-wide figures do not see
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            host = min(host, int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
     device_free = torch.cuda.mem_get_info()[0] if device.kind == "cuda" else None
-    return psutil.virtual_memory().available, device_free
+    return host, device_free

@@ -62,6 +62,12 @@ def model_class(config: AlbertConfig, task: str = "pretraining") -> type[PreTrai
     return lean if isinstance(config, LeanAlbertConfig) else albert
 
 
+def supports_gradient_checkpointing(config: AlbertConfig) -> bool:
+    """Whether the model recomputes activations on --gradient_checkpointing (LeanALBERT does; transformers' ALBERT,
+    the sahajbert preset, does not)."""
+    return model_class(config).supports_gradient_checkpointing
+
+
 def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text(encoding="utf-8"))

@@ -94,12 +94,12 @@ def check_disk(output_dir: str, model: str, keep: int) -> Check:
 
 def check_memory(peer_args: PeerArguments) -> Check:
     """The trainer's estimated peak memory (sahajbert.memory) against what this machine has free now."""
-    from sahajbert.devices import choose_precision, describe_device
+    from sahajbert.devices import describe_device, trainer_precision
     from sahajbert.memory import check_fit, free_memory
 
     training_args = peer_args.training_args
     device = describe_device(training_args.device)
-    precision = choose_precision(device, training_args.precision)
+    precision = trainer_precision(device, training_args.precision, bool(peer_args.optimizer_args.diloco_inner_steps))
     host_free, device_free = free_memory(device)
     fit = check_fit(peer_args, device, precision, host_free, device_free)
     if fit.fits:

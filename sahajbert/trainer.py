@@ -19,7 +19,7 @@ from accelerate import PartialState
 from sahajbert import adaptive, checkpoints, memory
 from sahajbert.cli import UserError
 from sahajbert.compute import Compute, build_compute
-from sahajbert.devices import DeviceInfo, choose_precision, describe_device
+from sahajbert.devices import DeviceInfo, describe_device, trainer_precision
 from sahajbert.ending import Ending
 from sahajbert.flags import PeerArguments
 from sahajbert.hivemind_ext.optim import accessors
@@ -66,14 +66,8 @@ class TrainerPeer(SwarmPeer):
         validate_initial_peers(swarm_args.initial_peers)  # answer a typo at once, before loading anything
         self.tokenizer = load_tokenizer(peer_args.corpus_args.tokenizer_path)
         device_info = describe_device(training_args.device)
-        precision = choose_precision(device_info, training_args.precision)
-        if peer_args.optimizer_args.diloco_inner_steps and precision == "fp16" and training_args.precision == "auto":
-            precision = "fp32"
-        if peer_args.optimizer_args.diloco_inner_steps and precision == "fp16":
-            raise UserError(
-                "--diloco_inner_steps steps its inner optimizer without hivemind's fp16 gradient scaler: "
-                "use --precision bf16 or fp32"
-            )
+        diloco = bool(peer_args.optimizer_args.diloco_inner_steps)
+        precision = trainer_precision(device_info, training_args.precision, diloco)
         forward_batch = training_args.per_device_train_batch_size * device_info.cores
         self.samples_per_pass = forward_batch * training_args.gradient_accumulation_steps
         logger.info(

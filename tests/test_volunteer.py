@@ -9,6 +9,7 @@ from nbclient import NotebookClient
 
 from sahajbert.devices import DeviceInfo, HardwareConfig, auto_configure
 from sahajbert.localswarm import peer_env
+from sahajbert.model import read_config, supports_gradient_checkpointing
 
 from .swarm_helpers import LOCAL, ROOT, TINY_TRAINING, first_peer, script
 
@@ -32,6 +33,18 @@ def test_auto_config_leaves_reachability_to_the_trainer():
     # behind NAT a trainer books a relay slot, or joins in client mode by itself: no --client_mode from hardware
     assert "--client_mode" not in auto_configure(DeviceInfo("cuda", "T4", (7, 5), 15.0)).as_flags()
     assert "--gradient_checkpointing" in auto_configure(DeviceInfo("cuda", "T4", (7, 5), 15.0)).as_flags()
+
+
+def test_auto_config_never_picks_what_the_trainer_refuses():
+    # transformers' ALBERT (the sahajbert preset) cannot recompute activations: the trainer refuses the flag for it
+    t4 = DeviceInfo("cuda", "Tesla T4", (7, 5), 14.7)
+    assert "--gradient_checkpointing" not in auto_configure(t4, can_recompute=False).as_flags()
+    assert not supports_gradient_checkpointing(read_config("sahajbert"))
+    assert supports_gradient_checkpointing(read_config("sahajbert-xl"))
+    # DiLoCo takes no fp16 (no loss scaler for its inner optimizer)
+    assert auto_configure(t4, diloco=True).precision == "fp32"
+    a100 = DeviceInfo("cuda", "NVIDIA A100-SXM4-40GB", (8, 0), 39.4)
+    assert auto_configure(a100, diloco=True).precision == "fp32"
 
 
 def run_trainer(*args, timeout=180):

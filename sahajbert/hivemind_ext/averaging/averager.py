@@ -7,6 +7,7 @@ import logging
 import math
 import multiprocessing as mp
 import random
+import signal
 import time
 from dataclasses import replace
 from functools import partial
@@ -120,6 +121,17 @@ class GuardedAverager:
     _rpc_handlers = None
     _stub_type = None
     _hivemind_class: type
+
+    def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
+        """hivemind's, with the calling process's SIGINT handler kept: hivemind sets SIGINT to ignored in the caller so
+        that the averager's process it forks ignores it (its owner stops it), and never restores it, so the owner
+        (a trainer, the aux peer) would ignore Ctrl+C from then on."""
+        handler = signal.getsignal(signal.SIGINT)
+        try:
+            super().run_in_background(await_ready, timeout)
+        finally:
+            if handler is not None:  # None: a handler installed outside Python, which cannot be put back from here
+                signal.signal(signal.SIGINT, handler)
 
     def __init__(self, *args, gate=None, aggregation=None, distrusted=(), **kwargs):
         rules = policy.rules()

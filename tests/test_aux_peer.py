@@ -266,9 +266,12 @@ def test_the_aux_peer_assists_in_averaging(aux_swarm):
     # groups hold three peers (its hivemind log, at --verbose)
     assert aux_swarm.alive()
     wait_for(lambda: "Averaged gradients with 3 peers" in aux_swarm.monitor.output(), 120, "a round of three")
-    # with nothing to tell of it: its contribution, of no samples, is neither averaged in nor dropped as a bad one
+    # with nothing to tell of it in the gradient rounds it joins: its contribution, of no samples, is neither averaged
+    # in nor dropped as a bad one. (Parameter rounds are not its part: there, after a round that came back partial on
+    # a loaded machine, the trainers' parameters differ and one may bound the other's offset.)
     for peer in [aux_swarm.monitor, *aux_swarm.trainers]:
-        assert "contribution of" not in peer.output(), peer.output()[-3000:]
+        told = [line for line in peer.output().splitlines() if "contribution of" in line and "_grad_averager" in line]
+        assert not told, peer.output()[-3000:]
 
 
 @pytest.mark.slow

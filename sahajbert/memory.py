@@ -168,15 +168,24 @@ def trainer_estimate(
 ) -> MemoryEstimate:
     """The estimate for a trainer with `peer_args` on `device` in `precision`; `batch` examples per core instead of
     --per_device_train_batch_size where given."""
+    return _estimate(_trainer_config(peer_args), peer_args, device, precision, batch)
+
+
+def _trainer_config(peer_args: PeerArguments):
+    """The model's config as the trainer builds it: its vocabulary follows the tokenizer."""
     from sahajbert.model import read_config
     from sahajbert.tokenization import load_tokenizer
 
-    model_args, training_args = peer_args.model_args, peer_args.training_args
-    config = read_config(model_args.model)
-    try:  # the model's vocabulary follows the tokenizer, as the trainer builds it
+    config = read_config(peer_args.model_args.model)
+    try:
         config.vocab_size = len(load_tokenizer(peer_args.corpus_args.tokenizer_path))
     except UserError:  # not loadable here (a Hub name, offline): the preset's is the run tokenizer's (32,000)
         pass
+    return config
+
+
+def _estimate(config, peer_args: PeerArguments, device: DeviceInfo, precision: str, batch: int | None):
+    training_args = peer_args.training_args
     per_core = batch or training_args.per_device_train_batch_size
     seq, checkpointing = peer_args.corpus_args.max_seq_length, training_args.gradient_checkpointing
     return estimate_peak(config, per_core * device.cores, seq, device.kind, precision, checkpointing)
@@ -222,9 +231,10 @@ def check_fit(
 ) -> Fit:
     """The estimate against `host_free` and `device_free` bytes; where it does not fit, one line of advice: the largest
     --per_device_train_batch_size that fits with the same samples per pass, else what else would."""
-    from sahajbert.model import read_config, supports_gradient_checkpointing
+    from sahajbert.model import supports_gradient_checkpointing
 
-    estimate = trainer_estimate(peer_args, device, precision)
+    config = _trainer_config(peer_args)  # read once: each batch tried below only changes the activations
+    estimate = _estimate(config, peer_args, device, precision, None)
     short = _short_of(estimate, host_free, device_free)
     if not short:
         return Fit(estimate, host_free, device_free)
@@ -233,15 +243,16 @@ def check_fit(
     samples = per_core * accumulation  # per core and pass: kept, so that the run's step is what it was
     batch_matters = device.kind == "cpu" or short == ["GPU"]  # on an accelerator the host holds no activations
     for batch in range(per_core - 1, 0, -1) if batch_matters else ():
-        smaller = trainer_estimate(peer_args, device, precision, batch)
-        if samples % batch == 0 and not _short_of(smaller, host_free, device_free):
+        if samples % batch:
+            continue  # it would change the samples per pass
+        if not _short_of(_estimate(config, peer_args, device, precision, batch), host_free, device_free):
             advice = (
                 f"pass --per_device_train_batch_size {batch} --gradient_accumulation_steps {samples // batch} "
                 "(the same samples per pass, in smaller forward passes)"
             )
             return Fit(estimate, host_free, device_free, advice)
     if short == ["GPU"] and not training_args.gradient_checkpointing:
-        if supports_gradient_checkpointing(read_config(peer_args.model_args.model)):
+        if supports_gradient_checkpointing(config):
             advice = "add --gradient_checkpointing (activations recomputed in the backward pass), then --check again"
             return Fit(estimate, host_free, device_free, advice)
     where = " and ".join(short)

@@ -47,12 +47,14 @@ def return_large_frees(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
 
 # Copies of the parameters (fp32) a CPU trainer holds at its peak: a plain PyTorch loop's 4 (weights, gradients, LAMB's
 # two moments); the offloaded master parameters and their gradients (2), hivemind's gradient accumulators and
-# averaging buffer (2), the state averager's buffer (1), the last good state for rollback (3); and what grows with the
-# model beyond them: the weights a pass keeps for its backward pass, LAMB's per-step temporaries, DiLoCo's outer
-# state, the forked processes' private pages. Fitted by least squares with the activation factor below on 8 measured
-# peaks (bench_overhead.py, two runs of both modes: sahajbert at 4, sahajbert-xl at 2 examples of 128 tokens): 18.5
-# copies and 1.05x the saved activations; every one of the 8 within 3.0% of its estimate.
-TRAINER_COPIES_CPU = 18.5
+# averaging buffer (2), the state averager's buffer (1); and what grows with the model beyond them: the weights a pass
+# keeps for its backward pass, LAMB's per-step temporaries, DiLoCo's outer state, the forked processes' private pages.
+# Fitted by least squares with the activation factor below on 8 measured peaks (bench_overhead.py, two runs of both
+# modes: sahajbert at 4, sahajbert-xl at 2 examples of 128 tokens) with the last good state in memory: 18.5 copies
+# (these 15.5 and the good state's 3) and 1.05x the saved activations; every one of the 8 within 3.0% of its estimate.
+TRAINER_COPIES_CPU = 15.5
+# the last good state for rollback, where --keep_good_state memory keeps it: the parameters and LAMB's two moments
+GOOD_STATE_COPIES = 3
 # With the model on an accelerator, the accelerator holds its parameters and gradients, the host the other copies.
 # Not yet measured on a GPU (benchmarks/gpu_check.py prints the estimate beside nvidia-smi's peak).
 DEVICE_COPIES_ACCELERATOR = 2
@@ -131,11 +133,18 @@ class MemoryEstimate:
 
 
 def estimate_peak(
-    config, batch: int, seq: int, device_kind: str = "cpu", precision: str = "fp32", checkpointing: bool = False
+    config,
+    batch: int,
+    seq: int,
+    device_kind: str = "cpu",
+    precision: str = "fp32",
+    checkpointing: bool = False,
+    good_state_in_memory: bool = False,
 ) -> MemoryEstimate:
     """A trainer's peak memory with `config`, `batch` examples of `seq` tokens per pass, on `device_kind` ("cpu",
     "cuda", "tpu": a TPU host keeps the model's copies in host memory, its activations on the TPU, not estimated), in
-    `precision`, with gradient checkpointing or not (a model that cannot recompute is refused by the trainer)."""
+    `precision`, with gradient checkpointing or not (a model that cannot recompute is refused by the trainer), its
+    last good state on disk or in memory (--keep_good_state)."""
     parameters = sum(p.numel() for p in _meta_model(config).parameters())
     one_copy = parameters * 4  # fp32: what every copy of the parameters is kept in, whatever the compute precision
     half = HALF_PRECISION_ACTIVATION_SHARE if precision in ("fp16", "bf16") else 1.0
@@ -148,11 +157,12 @@ def estimate_peak(
         saved = saved_activation_bytes(config, batch, seq) * half
     activations = int(saved * ACTIVATION_PEAK_FACTOR)
     runtime = RUNTIME_BYTES + TRAINER_RUNTIME_BYTES
+    good_state = GOOD_STATE_COPIES * one_copy if good_state_in_memory else 0  # on disk: none
     if device_kind == "cuda":
-        host = CUDA_HOST_RUNTIME_BYTES + runtime + HOST_COPIES_ACCELERATOR * one_copy
+        host = CUDA_HOST_RUNTIME_BYTES + runtime + HOST_COPIES_ACCELERATOR * one_copy + good_state
         device = CUDA_CONTEXT_BYTES + DEVICE_COPIES_ACCELERATOR * one_copy + activations
         return MemoryEstimate(int(host), int(device), parameters, activations)
-    host = runtime + TRAINER_COPIES_CPU * one_copy + (activations if device_kind == "cpu" else 0)
+    host = runtime + TRAINER_COPIES_CPU * one_copy + good_state + (activations if device_kind == "cpu" else 0)
     return MemoryEstimate(int(host), None, parameters, activations)
 
 
@@ -188,7 +198,8 @@ def _estimate(config, peer_args: PeerArguments, device: DeviceInfo, precision: s
     training_args = peer_args.training_args
     per_core = batch or training_args.per_device_train_batch_size
     seq, checkpointing = peer_args.corpus_args.max_seq_length, training_args.gradient_checkpointing
-    return estimate_peak(config, per_core * device.cores, seq, device.kind, precision, checkpointing)
+    in_memory = training_args.keep_good_state == "memory"
+    return estimate_peak(config, per_core * device.cores, seq, device.kind, precision, checkpointing, in_memory)
 
 
 @dataclass(frozen=True)

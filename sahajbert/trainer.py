@@ -28,7 +28,7 @@ from sahajbert.model import build_model
 from sahajbert.optim import build_collaborative_optimizer, gradients_finite
 from sahajbert.peer_context import PeerContext
 from sahajbert.reports import PeerReports, StepCounters
-from sahajbert.rollback import LastGoodState
+from sahajbert.rollback import LastGoodState, keep_good_state
 from sahajbert.round_log import RoundMonitor
 from sahajbert.signals import StopNow, StopRequest
 from sahajbert.stopping import FRESH_READ_TIMEOUT, pending_update_timeout
@@ -114,7 +114,9 @@ class TrainerPeer(SwarmPeer):
         self.compute = self._build_compute(device_info, precision)
         self.batches = self._build_batches(device_info, forward_batch)
         self._parts.callback(self.batches.close)
-        self.good_state = LastGoodState(self.optimizer, pending_update_timeout=self._pending_update_timeout)
+        kept = keep_good_state(peer_args.training_args.keep_good_state, self.output_dir)
+        self.good_state = LastGoodState(self.optimizer, self._pending_update_timeout, kept)
+        self._parts.callback(self.good_state.close)
         self.train_log = TrainLog(self.output_dir)
         self.ending = Ending(context, self.timing)
         # the progress refresh follows the global step's time, unless --max_refresh_period was given

@@ -219,10 +219,11 @@ def test_a_fragment_round_moves_its_fragment_and_keeps_the_others_inner_progress
         dht.shutdown()
 
 
-def test_a_rollback_restores_a_sparse_trainers_model_and_keeps_its_outer_parameters(tokenizer):
+@pytest.mark.parametrize("where", ["disk", "memory"])
+def test_a_rollback_restores_a_sparse_trainers_model_and_keeps_its_outer_parameters(tokenizer, where, tmp_path):
     # DiLoCo's outer parameters are not the model (its inner steps, what it has not sent): a rollback of a model gone
     # non-finite restores the model's last good state and leaves the finite outer parameters as they are
-    from sahajbert.rollback import LastGoodState
+    from sahajbert.rollback import LastGoodState, keep_good_state
 
     from .test_training_parts import lonely_diloco, train_one_batch
 
@@ -232,14 +233,20 @@ def test_a_rollback_restores_a_sparse_trainers_model_and_keeps_its_outer_paramet
             train_one_batch(model, optimizer)
         outer = [p.detach().clone() for p in optimizer._outer_parameters()]
         assert any(not torch.equal(a, b) for a, b in zip(outer, optimizer.state_averager.main_parameters))
-        good = LastGoodState(optimizer, pending_update_timeout=10.0)
+        good = LastGoodState(optimizer, pending_update_timeout=10.0, kept=keep_good_state(where, tmp_path))
         assert good.keep_or_roll_back()
         saved = [p.detach().clone() for p in model.parameters()]
+        inner = optimizer.local_state()
         with torch.no_grad():
             next(model.parameters()).fill_(float("nan"))
         assert not good.keep_or_roll_back()
         assert all(torch.equal(a, b) for a, b in zip(saved, model.parameters()))
         assert all(torch.equal(a, b) for a, b in zip(outer, optimizer._outer_parameters()))
+        restored = optimizer.local_state()
+        assert restored["inner_step"] == inner["inner_step"] and restored["round_samples"] == inner["round_samples"]
+        for index, state in inner["inner"]["state"].items():  # the inner optimizer's moments, as they were kept
+            for name, value in state.items():
+                assert torch.equal(torch.as_tensor(value), torch.as_tensor(restored["inner"]["state"][index][name]))
     finally:
         optimizer.shutdown()
         dht.shutdown()

@@ -16,6 +16,7 @@ from sahajbert.cli import parse_args
 from sahajbert.flags import PeerArguments
 from sahajbert.localswarm import PeerProcess, tiny_trainer_flags, wait_for
 from sahajbert.model import load_model
+from sahajbert.rollback import GOOD_STATE_FILE
 from sahajbert.signals import StopRequest
 from sahajbert.train_log import read_train_log as train_log
 from sahajbert.trainer import TrainerPeer
@@ -151,6 +152,8 @@ def test_a_trainer_stopped_by_ctrl_c_leaves_no_orphans_and_resumes_from_its_chec
             wait_for(lambda: last_step(tmp_path / "resume") >= 1, 240, "a first global step")
             children = peer.descendants()
             assert any("p2pd" in c.name() for c in children), [c.name() for c in children]
+            # the state a rollback restores is kept on disk while the trainer runs (--keep_good_state disk)
+            assert (tmp_path / "resume" / GOOD_STATE_FILE).is_file()
             peer.process.send_signal(signal.SIGINT)
             assert peer.wait(90) == 0, peer.output()[-3000:]
         finally:
@@ -158,6 +161,7 @@ def test_a_trainer_stopped_by_ctrl_c_leaves_no_orphans_and_resumes_from_its_chec
         assert "received SIGINT" in peer.output() and "stop requested" in peer.output()
         gone, alive = psutil.wait_procs(children, timeout=15)
         assert not alive, f"orphaned processes: {[p.name() for p in alive]}"
+        assert not (tmp_path / "resume" / GOOD_STATE_FILE).exists(), "the checkpoint resumes it, not the rollback file"
         # the stop saved a checkpoint at the step it reached; a restart in the same folder goes on from there
         stopped_at = list_checkpoints(tmp_path / "resume")[-1][0]
         assert stopped_at == last_step(tmp_path / "resume") >= 1

@@ -266,13 +266,20 @@ def test_schedule_follows_the_global_step_not_mini_steps(lonely_optimizer):
     assert optimizer.opt.param_groups[0]["lr"] == pytest.approx(lr_at_step(3, 0.01, 4, 100))
 
 
-def test_non_finite_parameters_roll_back_to_the_last_good_state(lonely_optimizer):
+def kept_where(where: str, output_dir):
+    from sahajbert.rollback import keep_good_state
+
+    return keep_good_state(where, output_dir)
+
+
+@pytest.mark.parametrize("where", ["disk", "memory"])
+def test_non_finite_parameters_roll_back_to_the_last_good_state(lonely_optimizer, where, tmp_path):
     from sahajbert.rollback import LastGoodState
 
     model, optimizer = lonely_optimizer
     train_one_batch(model, optimizer)
     train_one_batch(model, optimizer)
-    good = LastGoodState(optimizer, pending_update_timeout=10.0)
+    good = LastGoodState(optimizer, pending_update_timeout=10.0, kept=kept_where(where, tmp_path))
     assert good.keep_or_roll_back(), "finite parameters are kept as the new good state"
     saved = [p.detach().clone() for p in model.parameters()]
     with torch.no_grad():
@@ -286,12 +293,15 @@ def test_non_finite_parameters_roll_back_to_the_last_good_state(lonely_optimizer
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_finite_parameters_that_overflow_every_pass_roll_back_to_the_last_state_that_trained(lonely_optimizer):
+@pytest.mark.parametrize("where", ["disk", "memory"])
+def test_finite_parameters_that_overflow_every_pass_roll_back_to_the_last_state_that_trained(
+    lonely_optimizer, where, tmp_path
+):
     from sahajbert.rollback import DROPPED_PASSES_BEFORE_ROLLBACK, LastGoodState
 
     model, optimizer = lonely_optimizer
     train_one_batch(model, optimizer)
-    good = LastGoodState(optimizer, pending_update_timeout=10.0)
+    good = LastGoodState(optimizer, pending_update_timeout=10.0, kept=kept_where(where, tmp_path))
     good.save()  # the state the trainer starts from
     train_one_batch(model, optimizer)
     good.after_finite_pass()
@@ -332,9 +342,9 @@ def test_the_last_good_state_is_one_copy_overwritten_once_a_pass_from_a_new_stat
 
     model, optimizer = lonely_optimizer
     train_to(model, optimizer, 1)  # the optimizer has its moments
-    good = LastGoodState(optimizer, pending_update_timeout=10.0)
+    good = LastGoodState(optimizer, pending_update_timeout=10.0, kept=kept_where("memory", None))
     good.save()
-    kept_parameters, kept_state, _ = good.good
+    kept_parameters, kept_state, _ = good.kept.state
     moments = [t for state in kept_state["state"].values() for t in state.values() if isinstance(t, torch.Tensor)]
     addresses = [t.data_ptr() for t in [*kept_parameters, *moments]]
     first = [t.clone() for t in kept_parameters]
@@ -343,19 +353,72 @@ def test_the_last_good_state_is_one_copy_overwritten_once_a_pass_from_a_new_stat
     assert not all(torch.equal(a, b.detach()) for a, b in zip(first, accessors.master_parameters(optimizer)))
     assert good.keep_or_roll_back()
     # not yet trusted: the copy still holds the state it had (training did not write into it), and no second copy
-    assert all(torch.equal(a, b) for a, b in zip(first, good.good[0]))
+    assert all(torch.equal(a, b) for a, b in zip(first, good.kept.state[0]))
     assert all(torch.equal(a, b) for a, b in zip(first_moments, moments))
     good.after_finite_pass()
-    assert all(torch.equal(a, b.detach()) for a, b in zip(good.good[0], accessors.master_parameters(optimizer)))
+    kept = good.kept.state
+    assert all(torch.equal(a, b.detach()) for a, b in zip(kept[0], accessors.master_parameters(optimizer)))
     live = optimizer.opt.state_dict()["state"]
-    for index, state in good.good[1]["state"].items():
+    for index, state in kept[1]["state"].items():
         for name, value in state.items():
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(live[index][name])), (index, name)
-    moments = [t for state in good.good[1]["state"].values() for t in state.values() if isinstance(t, torch.Tensor)]
-    assert [t.data_ptr() for t in [*good.good[0], *moments]] == addresses, "copied into the same tensors"
+    moments = [t for state in kept[1]["state"].values() for t in state.values() if isinstance(t, torch.Tensor)]
+    assert [t.data_ptr() for t in [*kept[0], *moments]] == addresses, "copied into the same tensors"
     assert not any(
         t.data_ptr() == m.data_ptr() for t in moments for s in live.values() for m in s.values() if torch.is_tensor(m)
     ), "the copy shares no tensor with the live optimizer"
+
+
+def test_the_last_good_state_on_disk_is_one_file_replaced_whole_once_trusted_and_removed_at_the_end(
+    lonely_optimizer, tmp_path
+):
+    from sahajbert.hivemind_ext.optim import accessors
+    from sahajbert.rollback import GOOD_STATE_FILE, LastGoodState
+
+    model, optimizer = lonely_optimizer
+    train_to(model, optimizer, 1)
+    good = LastGoodState(optimizer, pending_update_timeout=10.0, kept=kept_where("disk", tmp_path))
+    good.save()
+    assert sorted(path.name for path in tmp_path.iterdir()) == [GOOD_STATE_FILE], "one file, no temporary left"
+    first = [p.detach().clone() for p in accessors.master_parameters(optimizer)]
+    train_to(model, optimizer, 2)
+    assert good.keep_or_roll_back()
+    # not yet trusted: the file still holds the first state
+    assert all(torch.equal(a, b) for a, b in zip(first, good.kept.read()[0]))
+    good.after_finite_pass()
+    parameters, optimizer_state, _ = good.kept.read()
+    assert all(torch.equal(a, b.detach()) for a, b in zip(parameters, accessors.master_parameters(optimizer)))
+    live = optimizer.opt.state_dict()["state"]
+    for index, state in optimizer_state["state"].items():
+        for name, value in state.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(live[index][name])), (index, name)
+    assert sorted(path.name for path in tmp_path.iterdir()) == [GOOD_STATE_FILE]
+    good.close()
+    assert not any(tmp_path.iterdir()), "a stopped trainer leaves no rollback file (its checkpoint resumes it)"
+
+
+def test_a_good_state_that_cannot_be_written_to_disk_is_kept_in_memory_with_one_line(
+    lonely_optimizer, tmp_path, caplog
+):
+    from sahajbert.rollback import LastGoodState
+
+    model, optimizer = lonely_optimizer
+    train_one_batch(model, optimizer)
+    not_a_folder = tmp_path / "output"
+    not_a_folder.write_text("a file where the output folder should be")  # unwritable also for root
+    good = LastGoodState(optimizer, pending_update_timeout=10.0, kept=kept_where("disk", not_a_folder))
+    with caplog.at_level(logging.WARNING, logger="sahajbert.trainer"):
+        assert good.keep_or_roll_back()
+        train_one_batch(model, optimizer)
+        assert good.keep_or_roll_back()
+        good.after_finite_pass()
+    lines = [r.getMessage() for r in caplog.records if "last good state" in r.getMessage()]
+    assert len(lines) == 1 and "kept in memory instead" in lines[0], lines
+    saved = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        next(model.parameters()).fill_(float("nan"))
+    assert not good.keep_or_roll_back()
+    assert all(torch.equal(a, b) for a, b in zip(saved, model.parameters()))
 
 
 def test_with_delayed_updates_the_good_state_is_copied_only_once_no_update_is_pending(tokenizer):
@@ -366,19 +429,20 @@ def test_with_delayed_updates_the_good_state_is_copied_only_once_no_update_is_pe
 
     model, optimizer, dht = lonely_lockstep(tokenizer, "delayed_good", delayed=True)
     try:
-        good = LastGoodState(optimizer, pending_update_timeout=10.0)
+        good = LastGoodState(optimizer, pending_update_timeout=10.0, kept=kept_where("memory", None))
         good.save()
-        kept = [t.clone() for t in good.good[0]]
+        kept = [t.clone() for t in good.kept.state[0]]
         train_to(model, optimizer, 1)
         assert accessors.has_pending_updates(optimizer, round_in_flight=False)
         assert good.keep_or_roll_back()
         good.after_finite_pass()  # a finite pass, but the step's update is still to come: nothing copied
-        assert good.untrusted and all(torch.equal(a, b) for a, b in zip(kept, good.good[0]))
+        assert good.untrusted and all(torch.equal(a, b) for a, b in zip(kept, good.kept.state[0]))
         assert accessors.apply_pending_updates(optimizer, timeout=30)
         good.after_finite_pass()
         assert not good.untrusted
-        assert all(torch.equal(a, b.detach()) for a, b in zip(good.good[0], accessors.master_parameters(optimizer)))
-        assert not all(torch.equal(a, b) for a, b in zip(kept, good.good[0])), "the step's state was copied"
+        now = good.kept.state[0]
+        assert all(torch.equal(a, b.detach()) for a, b in zip(now, accessors.master_parameters(optimizer)))
+        assert not all(torch.equal(a, b) for a, b in zip(kept, now)), "the step's state was copied"
     finally:
         optimizer.shutdown()
         dht.shutdown()

@@ -94,6 +94,14 @@ class LocalTrainingArguments:
     save_steps: int = field(default=500, metadata={"help": "Save a local checkpoint every this many global steps."})
     keep_checkpoints: int = field(default=3, metadata={"help": "How many local checkpoints to keep."})
     log_every_seconds: float = field(default=10.0, metadata={"help": "Seconds between progress lines."})
+    keep_good_state: str = field(
+        default="disk",
+        metadata={
+            "help": "Where the last good state that a rollback restores is kept: disk (a file in --output_dir, "
+            "rewritten once per global step) or memory (3 more copies of the parameters for the whole run).",
+            "choices": ["disk", "memory"],
+        },
+    )
 
     def __post_init__(self):
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "save_steps", "keep_checkpoints"):

@@ -160,9 +160,9 @@ class DiLoCoOptimizer(GuardedOptimizer):
         seconds, self.inner_step_seconds = self.inner_step_seconds, 0.0
         return seconds
 
-    def local_state(self) -> dict:
-        """The inner optimizer's state and the round's progress (a copy)."""
-        return copy.deepcopy(self.inner_state_dict())
+    def local_state(self, copied: bool = True) -> dict:
+        """The inner optimizer's state and the round's progress: a copy, or its live tensors (to write out now)."""
+        return copy.deepcopy(self.inner_state_dict()) if copied else self.inner_state_dict()
 
     def restore_local_state(self, state: dict) -> None:
         self.load_inner_state_dict(copy.deepcopy(state))

@@ -128,9 +128,9 @@ class GuardedOptimizer(hivemind.Optimizer):
         """Seconds spent in optimizer steps made between global steps since the last call (then 0 again): none."""
         return 0.0
 
-    def local_state(self) -> dict | None:
-        """A copy of what a trainer changes between global steps besides the parameters and the optimizer's state, to
-        roll back to: nothing."""
+    def local_state(self, copied: bool = True) -> dict | None:
+        """What a trainer changes between global steps besides the parameters and the optimizer's state, to roll back
+        to (a copy, or its live tensors where not `copied`): nothing."""
         return None
 
     def restore_local_state(self, state: dict | None) -> None:

@@ -61,7 +61,7 @@ class HubUploader:
 
 def run_aux_peer(peer_args: PeerArguments, aux_args: AuxPeerArguments) -> None:
     """Run the aux peer until SIGINT/SIGTERM; it always leaves the swarm cleanly."""
-    memory.return_large_frees()  # before the model and hivemind's forked processes allocate
+    memory.set_up_peer_process()  # before the model and hivemind's forked processes allocate
     with StopRequest("stopping") as stop, AuxPeer(peer_args, aux_args) as peer:
         peer.run(stop)
 

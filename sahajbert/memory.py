@@ -11,6 +11,8 @@ beside the measured peaks of both presets.
 import copy
 import ctypes
 import ctypes.util
+import gc
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
@@ -33,16 +35,114 @@ MMAP_THRESHOLD_BYTES = 8 * MIB
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number in glibc's malloc.h
 
 
+def set_up_peer_process() -> None:
+    """What every peer that holds the model sets before it allocates: large blocks returned to the system as they are
+    freed, and large tensors left out of the processes it forks."""
+    return_large_frees()
+    keep_large_tensors_out_of_forks()
+
+
 def return_large_frees(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     """Give allocations of `threshold` bytes and more their own mappings in this process and the ones it forks
     later (glibc only); True where it was set. Processes already running keep their setting."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):  # not glibc (musl, macOS): its allocator stays as it is
+    libc = _libc()
+    return libc is not None and bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold))
+
+
+# madvise(2)'s advice that a range is not inherited by processes forked later (Linux): <sys/mman.h>
+_MADV_DONTFORK = 10
+_SIZE_BIT_MMAPPED = 0x2  # glibc: the bit of a chunk's size word that says it has a mapping of its own
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def keep_large_tensors_out_of_forks() -> bool:
+    """From now on, every process this one forks (hivemind's DHT and averagers) starts without this process's large
+    tensors; True where it was set up (Linux with glibc).
+
+    A forked child shares its parent's pages until either writes them. The parent rewrites its parameters, gradients
+    and accumulators every step, and each page it rewrites stays behind as the child's private copy of the old one:
+    about 2 copies of the parameters per trainer (sahajbert-xl: 660 MiB of private pages in the forked processes).
+    The children never read those tensors (hivemind's averagers work on the shared-memory tensors they are given, and
+    ask the parent for its current state over a pipe). So just before each fork the parent marks the mappings of its
+    tensors of MMAP_THRESHOLD_BYTES and more that are not in shared memory as not to be inherited. A child that read
+    one anyway would crash on it, not compute with stale values."""
+    global _FORK_HOOK
+    libc = _libc()
+    if libc is None or not hasattr(os, "register_at_fork") or not Path("/proc/self/maps").exists():
         return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, threshold))
+    if not _FORK_HOOK:  # a hook cannot be taken back: one per process
+        os.register_at_fork(before=lambda: _advise_large_tensors(libc, _MADV_DONTFORK))
+        _FORK_HOOK = True
+    return True
+
+
+_FORK_HOOK = False
+
+
+def _libc():
+    """glibc, or None (musl, macOS: their allocators are left as they are)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        libc.mallopt, libc.madvise  # noqa: B018 (a libc that is not glibc lacks mallopt)
+    except (OSError, AttributeError, TypeError):
+        return None
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return libc
+
+
+def _advise_large_tensors(libc, advice: int) -> int:
+    """madvise the mapping of every CPU tensor of MMAP_THRESHOLD_BYTES or more that has one of its own and is not in
+    shared memory; the bytes advised."""
+    gc.collect()  # garbage still to be collected holds no tensor a child would free
+    mappings = _anonymous_mappings()
+    seen, advised = set(), 0
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), torch.Tensor):  # not isinstance: it would read some objects' __class__
+            continue
+        try:
+            storage = obj.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse, meta, or a tensor subclass without one
+            continue
+        if storage.device.type != "cpu" or storage.nbytes() < MMAP_THRESHOLD_BYTES or storage.is_shared():
+            continue
+        pointer = storage.data_ptr()
+        if pointer in seen:
+            continue
+        seen.add(pointer)
+        span = _own_mapping(pointer, storage.nbytes(), mappings)
+        if span is not None and libc.madvise(span[0], span[1], advice) == 0:
+            advised += span[1]
+    return advised
+
+
+def _anonymous_mappings() -> list[tuple[int, int]]:
+    """This process's private, writable, anonymous mappings as (start, end), from /proc/self/maps."""
+    spans = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) == 5 and fields[1] == "rw-p":  # no path: anonymous ([heap] and [stack] have one)
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            spans.append((start, end))
+    return spans
+
+
+def _own_mapping(pointer: int, nbytes: int, mappings: list[tuple[int, int]]) -> tuple[int, int] | None:
+    """(start, length) of the mapping glibc made for the one allocation at `pointer` alone, or None where it is not
+    one: the chunk's size word (8 bytes before the pointer) has the mmapped bit, and its start (the previous word back
+    from the chunk's header) and length are whole pages inside one anonymous mapping, with the tensor's bytes in it."""
+    inside = next(((start, end) for start, end in mappings if start + 16 <= pointer < end), None)
+    if inside is None:
+        return None
+    size_word = ctypes.c_size_t.from_address(pointer - 8).value
+    if not size_word & _SIZE_BIT_MMAPPED:
+        return None
+    offset = ctypes.c_size_t.from_address(pointer - 16).value  # from the mapping's start to the chunk's header
+    start, length = pointer - 16 - offset, offset + (size_word & ~0x7)
+    if start % _PAGE or length % _PAGE or start < inside[0] or start + length > inside[1]:
+        return None
+    if pointer + nbytes > start + length:
+        return None
+    return start, length
 
 
 # Copies of the parameters (fp32) a CPU trainer holds at its peak: a plain PyTorch loop's 4 (weights, gradients, LAMB's

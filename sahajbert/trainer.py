@@ -52,7 +52,7 @@ class TrainResult:
 
 def train(peer_args: PeerArguments) -> TrainResult:
     """Run one trainer peer until --max_steps, SIGINT or SIGTERM; it always leaves the swarm cleanly."""
-    memory.return_large_frees()  # before the model and hivemind's forked processes allocate
+    memory.set_up_peer_process()  # before the model and hivemind's forked processes allocate
     with StopRequest("stopping after the current pass") as stop, TrainerPeer(peer_args) as peer:
         return peer.run(stop)
 

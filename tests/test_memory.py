@@ -122,6 +122,42 @@ def test_the_allocator_setting_is_made_where_glibc_allocates():
     assert return_large_frees() == (platform.libc_ver()[0] == "glibc")
 
 
+FORKED_WITHOUT_LARGE_TENSORS = """
+import multiprocessing, os, sys, torch
+from sahajbert import memory
+memory.set_up_peer_process()
+private = torch.ones(4 * 2**20)  # 16 MiB: its own mapping
+shared = torch.full((4 * 2**20,), 3.0).share_memory_()  # what hivemind's averagers average: shared with the child
+small = torch.full((1000,), 2.0)  # in the heap, with other objects: inherited as it is
+address = private.untyped_storage().data_ptr()
+
+def child():
+    inherited = any(start <= address < end for start, end in memory._anonymous_mappings())
+    print(inherited, float(shared[0]), float(shared[-1]), float(small[-1]), flush=True)
+    shared[0] = 5.0
+
+process = multiprocessing.get_context("fork").Process(target=child)
+process.start()
+process.join(60)
+private += 1
+print(process.exitcode, float(shared[0]), float(private[-1]), flush=True)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator, Linux's madvise")
+def test_a_forked_process_starts_without_the_peers_large_private_tensors_and_shares_the_shared_ones():
+    # in a process of its own: the fork hook stays for the life of the process that sets it
+    result = subprocess.run(
+        [sys.executable, "-c", FORKED_WITHOUT_LARGE_TENSORS], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    child, parent = result.stdout.split("\n")[:2]
+    # the child: no mapping where the parent's private tensor is; the shared tensor and the small one as they were
+    assert child.split() == ["False", "3.0", "3.0", "2.0"], child
+    # the parent: the child ended cleanly, its write to the shared tensor arrived, its own tensor is intact
+    assert parent.split() == ["0", "5.0", "2.0"], parent
+
+
 def test_the_larger_preset_is_estimated_larger_at_every_part(tokenizer):
     small, large = (estimate_peak(load_config(m, tokenizer), 2, 128) for m in ("sahajbert", "sahajbert-xl"))
     assert large.parameters > 4 * small.parameters

@@ -13,7 +13,7 @@ import ctypes
 import ctypes.util
 import gc
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from unittest import mock
 
@@ -350,6 +350,11 @@ def check_fit(
     if not short:
         return Fit(estimate, host_free, device_free)
     training_args = peer_args.training_args
+    if "host" in short and training_args.keep_good_state == "memory":
+        on_disk = replace(peer_args, training_args=replace(training_args, keep_good_state="disk"))
+        if not _short_of(_estimate(config, on_disk, device, precision, None), host_free, device_free):
+            advice = "leave out --keep_good_state memory (the state a rollback restores is then kept on disk)"
+            return Fit(estimate, host_free, device_free, advice)
     per_core, accumulation = training_args.per_device_train_batch_size, training_args.gradient_accumulation_steps
     samples = per_core * accumulation  # per core and pass: kept, so that the run's step is what it was
     batch_matters = device.kind == "cpu" or short == ["GPU"]  # on an accelerator the host holds no activations

@@ -89,6 +89,18 @@ def test_a_trainer_too_big_for_the_host_is_told_the_batch_that_fits():
     assert "use a machine with more" in too_small.advice and "--per_device" not in too_small.advice
 
 
+def test_a_good_state_kept_in_memory_costs_three_copies_and_is_the_first_advice_where_dropping_it_fits():
+    from dataclasses import replace
+
+    on_disk = peer_args("sahajbert-xl", batch=2, seq=128)
+    in_memory = replace(on_disk, training_args=replace(on_disk.training_args, keep_good_state="memory"))
+    disk, memory = (trainer_estimate(args, CPU, "fp32") for args in (on_disk, in_memory))
+    assert memory.host_bytes - disk.host_bytes == 3 * 4 * disk.parameters  # the parameters and two moments, fp32
+    fit = check_fit(in_memory, CPU, "fp32", host_free=int(disk.host_bytes * 1.15) + 1)
+    assert not fit.fits and fit.advice.startswith("leave out --keep_good_state memory"), fit.advice
+    assert check_fit(on_disk, CPU, "fp32", host_free=int(disk.host_bytes * 1.15) + 1).fits
+
+
 def test_the_advice_keeps_the_samples_per_pass_also_where_the_batch_is_no_power_of_two():
     args = peer_args("sahajbert", batch=6, accumulate=1)
     six, three = (trainer_estimate(args, CPU, "fp32", batch=b).host_bytes for b in (6, 3))

@@ -147,12 +147,13 @@ def _own_mapping(pointer: int, nbytes: int, mappings: list[tuple[int, int]]) -> 
 
 # Copies of the parameters (fp32) a CPU trainer holds at its peak: a plain PyTorch loop's 4 (weights, gradients, LAMB's
 # two moments); the offloaded master parameters and their gradients (2), hivemind's gradient accumulators and
-# averaging buffer (2), the state averager's buffer (1); and what grows with the model beyond them: the weights a pass
-# keeps for its backward pass, LAMB's per-step temporaries, DiLoCo's outer state, the forked processes' private pages.
-# Fitted by least squares with the activation factor below on 8 measured peaks (bench_overhead.py, two runs of both
-# modes: sahajbert at 4, sahajbert-xl at 2 examples of 128 tokens) with the last good state in memory: 18.5 copies
-# (these 15.5 and the good state's 3) and 1.05x the saved activations; every one of the 8 within 3.0% of its estimate.
-TRAINER_COPIES_CPU = 15.5
+# averaging buffer (2), the state averager's buffer (1), less what the estimate's other terms overlap; and what grows
+# with the model beyond them: LAMB's per-step temporaries, DiLoCo's outer and inner state. Fitted by least squares with
+# the activation factor below on 8 measured peaks (bench_overhead.py at 451b6ef-4468371: the last good state on disk,
+# large tensors kept out of forked processes; both modes, sahajbert at 4 and sahajbert-xl at 2 examples of 128
+# tokens): 8.5 copies and 1.23x the saved activations, every one of the 8 within 6.3% of its estimate (DiLoCo 2-6%
+# above it, data parallel 1-4% below). Before those two changes: 18.5 copies and 1.05x, within 3.0%.
+TRAINER_COPIES_CPU = 8.5
 # the last good state for rollback, where --keep_good_state memory keeps it: the parameters and LAMB's two moments
 GOOD_STATE_COPIES = 3
 # With the model on an accelerator, the accelerator holds its parameters and gradients, the host the other copies.
@@ -171,7 +172,7 @@ HALF_PRECISION_ACTIVATION_SHARE = 0.6
 # A pass's peak beyond the activations autograd saved (the backward pass's gradients of activations, the allocator's
 # slack), as a factor: fitted above, with the trainer's allocator setting (glibc's default kept up to 1.8x the saved
 # bytes in a plain loop at sahajbert-xl).
-ACTIVATION_PEAK_FACTOR = 1.05
+ACTIVATION_PEAK_FACTOR = 1.23
 
 
 class _FusedAttention(torch.autograd.Function):

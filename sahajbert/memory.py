@@ -71,9 +71,17 @@ def keep_large_tensors_out_of_forks() -> bool:
     if libc is None or not hasattr(os, "register_at_fork") or not Path("/proc/self/maps").exists():
         return False
     if not _FORK_HOOK:  # a hook cannot be taken back: one per process
-        os.register_at_fork(before=lambda: _advise_large_tensors(libc, _MADV_DONTFORK))
+        os.register_at_fork(before=lambda: _advise_quietly(libc, _MADV_DONTFORK))
         _FORK_HOOK = True
     return True
+
+
+def _advise_quietly(libc, advice: int) -> None:
+    # before a fork: whatever goes wrong here costs memory, never the fork (Python would print its traceback)
+    try:
+        _advise_large_tensors(libc, advice)
+    except Exception:  # noqa: BLE001
+        pass
 
 
 _FORK_HOOK = False

@@ -53,6 +53,7 @@ def return_large_frees(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
 _MADV_DONTFORK = 10
 _SIZE_BIT_MMAPPED = 0x2  # glibc: the bit of a chunk's size word that says it has a mapping of its own
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_FORK_HOOK = False  # set once the fork hook is registered in this process
 
 
 def keep_large_tensors_out_of_forks() -> bool:
@@ -82,9 +83,6 @@ def _advise_quietly(libc, advice: int) -> None:
         _advise_large_tensors(libc, advice)
     except Exception:  # noqa: BLE001
         pass
-
-
-_FORK_HOOK = False
 
 
 def _libc():

@@ -31,8 +31,6 @@ class KeptInMemory:
     """The last good state as host tensors, one copy overwritten in place: with LAMB 3 copies of the parameters (the
     parameters and two moments) held for the whole run (sahajbert-xl: 870 MiB)."""
 
-    where = "memory"
-
     def __init__(self):
         self.state: State | None = None
 
@@ -68,8 +66,6 @@ class KeptOnDisk:
     drops under pressure; a write takes about 1 s per GiB (once per global step, while the swarm's step takes
     minutes), and a rollback maps the file rather than reading it into memory. A file that cannot be written (a
     full disk) sends the state to memory, with one line (`fallback`)."""
-
-    where = "disk"
 
     def __init__(self, path: str | Path):
         self.path = Path(path)

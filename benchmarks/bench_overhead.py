@@ -5,16 +5,20 @@ For each model, side by side in one run on this machine: a plain loop (same mode
 LAMB step every --passes_per_step passes, no hivemind) and run_trainer.py alone in its swarm (hivemind.Optimizer with
 the offloaded optimizer and delayed updates, its DHT, averager processes and p2p daemon). Both are processes of their
 own with the same number of math threads. Measured: samples/s after the first optimizer step, and peak memory as PSS
-of the process and all its children (so that pages they share count once), sampled every 0.25 s, with the trainer's
-peak split by process. The plain loop runs a second time with the allocator setting the trainer makes (tensors of
-8 MiB and more mapped on their own: sahajbert.memory), for its memory only. Modes: data parallel (`dp`) and DiLoCo
-(`diloco`: an inner step per plain-loop step).
+of the process and all its children (so that pages they share count once), sampled every second, with the trainer's
+peak split by process. Each process runs twice: once unsampled, for its samples/s, and once sampled, for its memory
+(sampling slows what it samples, the trainer's 6 processes more than the plain loop's one: see PeakPss);
+`--throughput_from sampled` takes both from one run, in half the time. The plain loop runs a second time with the
+allocator setting the trainer makes (tensors of 8 MiB and more mapped on their own: sahajbert.memory), to tell that
+setting's share of each gap from the trainer's own. Modes: data parallel (`dp`) and DiLoCo (`diloco`: an inner step
+per plain-loop step).
 `--output_json FILE` writes one object per model and mode; `--device cuda` measures on a GPU (benchmarks/gpu_check.py).
 """
 
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -157,13 +161,37 @@ def run_measured(command: list[str], env: dict, log: Path, timeout: float, gpu: 
     return memory
 
 
+def run_unsampled(command: list[str], env: dict, log: Path, timeout: float) -> None:
+    """Run `command` to its end, its output to `log`, with nothing reading its memory: the run its samples/s is
+    taken from."""
+    with open(log, "w") as out:
+        code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
+    if code != 0:
+        raise RuntimeError(f"{' '.join(command[:3])} failed:\n{log.read_text()[-3000:]}")
+
+
+def run_twice(args, command: list[str], env: dict, log: Path, output: Path | None = None) -> PeakPss:
+    """`command` run for its memory (sampled) and, unless --throughput_from sampled, again unsampled; returns the
+    memory samples. The unsampled run goes second, so that `log` and the folder `output` (removed before each run: a
+    trainer would resume from the first run's checkpoint) hold what its samples/s is read from."""
+    if output:
+        shutil.rmtree(output, ignore_errors=True)
+    memory = run_measured(command, env, log, args.timeout, gpu=args.device == "cuda")
+    if args.throughput_from == "unsampled":
+        if output:
+            shutil.rmtree(output, ignore_errors=True)
+        run_unsampled(command, env, log, args.timeout)
+    return memory
+
+
 # DiLoCo mode: inner steps per outer (global) step; each inner step covers the plain loop's optimizer step
 DILOCO_INNER_STEPS = 2
 
 
 def measure_plain(args, model: str, workdir: Path, trainer_allocator: bool = False) -> tuple[float, PeakPss]:
     """The plain loop: its samples/s and memory samples; with `trainer_allocator`, with the allocator setting the
-    trainer makes (sahajbert.memory.return_large_frees), to tell that setting's share from the trainer's own."""
+    trainer makes (sahajbert.memory.return_large_frees), to tell that setting's share of each gap from the trainer's
+    own."""
     from sahajbert.localswarm import peer_env
 
     env = {**peer_env(), "OMP_NUM_THREADS": str(args.threads)}
@@ -173,7 +201,7 @@ def measure_plain(args, model: str, workdir: Path, trainer_allocator: bool = Fal
     common += ["--return_large_frees"] if trainer_allocator else []
     plain_log = workdir / f"plain-{model}{'-tuned' if trainer_allocator else ''}.log"
     command = [sys.executable, __file__, "--plain", *common]
-    plain_memory = run_measured(command, env, plain_log, args.timeout, gpu=args.device == "cuda")
+    plain_memory = run_twice(args, command, env, plain_log)
     return json.loads(plain_log.read_text().strip().splitlines()[-1])["samples_per_second"], plain_memory
 
 
@@ -218,7 +246,7 @@ def measure(args, model: str, mode: str, workdir: Path, plain: float, plain_memo
     )
     trainer_log = workdir / f"trainer-{model}-{mode}.log"
     command = [sys.executable, str(REPO / "run_trainer.py"), *flags]
-    trainer_memory = run_measured(command, env, trainer_log, args.timeout, gpu=args.device == "cuda")
+    trainer_memory = run_twice(args, command, env, trainer_log, output)
     estimate = trainer_estimate(args, model)
     records = read_train_log(output)
     measured = [r for r in records if r.step > 1]
@@ -272,6 +300,12 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--precision", choices=["fp32", "fp16", "bf16"], default="fp32", help="both compute in (fp16: CUDA only)"
     )
+    parser.add_argument(
+        "--throughput_from",
+        choices=["unsampled", "sampled"],
+        default="unsampled",
+        help="samples/s from a second, unsampled run of each process, or from the sampled run (half the time)",
+    )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds one measured process may take")
     parser.add_argument("--output_json", type=Path, help="also write the rows to this file (a list of objects)")
     parser.add_argument("--plain", action="store_true", help=argparse.SUPPRESS)  # the plain loop's own process
@@ -292,32 +326,41 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models:
             plain = measure_plain(args, model, Path(tmp))  # once per model, just before its trainers
-            tuned = measure_plain(args, model, Path(tmp), trainer_allocator=True)[1].peak / 2**20
+            tuned, tuned_memory = measure_plain(args, model, Path(tmp), trainer_allocator=True)
             for mode in args.modes:
                 row = measure(args, model, mode, Path(tmp), *plain)
-                # the same plain loop with the trainer's allocator setting: what of the gap is the setting's
-                row["plain_trainer_allocator_peak_pss_mib"] = tuned
-                row["memory_ratio_same_allocator"] = row["trainer_peak_pss_mib"] / tuned
+                # the same plain loop with the trainer's allocator setting: what of each gap is the setting's
+                row["plain_trainer_allocator_samples_per_s"] = tuned
+                row["throughput_ratio_same_allocator"] = row["trainer_samples_per_s"] / tuned
+                row["plain_trainer_allocator_peak_pss_mib"] = tuned_peak = tuned_memory.peak / 2**20
+                row["memory_ratio_same_allocator"] = row["trainer_peak_pss_mib"] / tuned_peak
+                row["throughput_from"] = args.throughput_from
                 rows.append(row)
     print("command: python benchmarks/bench_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv))
     print(
         f"\nseq {args.max_seq_length}, batch {args.batch_size} x {args.passes_per_step} passes per step, "
         f"{args.steps} steps (the first not measured), {args.threads} threads per process, "
-        f"{args.device} {args.precision}\n"
+        f"{args.device} {args.precision}; samples/s from the {args.throughput_from} run of each process\n"
     )
     print(
         "| model | mode | plain loop, samples/s | trainer alone, samples/s | ratio | plain loop, peak PSS MiB "
-        "| trainer + children, peak PSS MiB | ratio | plain loop, trainer's allocator setting | ratio "
-        "| estimated peak MiB (error) |"
+        "| trainer + children, peak PSS MiB | ratio | estimated peak MiB (error) |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
-            f"| {r['model']} | {r['mode']} | {r['plain_samples_per_s']:.2f} | {r['trainer_samples_per_s']:.2f} "
+            f"| {r['model']} | {r['mode']} | {r['plain_samples_per_s']:.3f} | {r['trainer_samples_per_s']:.3f} "
             f"| {r['throughput_ratio']:.2f} | {r['plain_peak_pss_mib']:.0f} | {r['trainer_peak_pss_mib']:.0f} "
-            f"| {r['memory_ratio']:.2f} | {r['plain_trainer_allocator_peak_pss_mib']:.0f} "
-            f"| {r['memory_ratio_same_allocator']:.2f} "
-            f"| {r['estimated_peak_pss_mib']:.0f} ({r['estimate_error']:+.0%}) |"
+            f"| {r['memory_ratio']:.2f} | {r['estimated_peak_pss_mib']:.0f} ({r['estimate_error']:+.0%}) |"
+        )
+    print("\nagainst the plain loop given the trainer's allocator setting (sahajbert.memory.return_large_frees)\n")
+    print("| model | mode | plain loop, samples/s | trainer's ratio | plain loop, peak PSS MiB | trainer's ratio |")
+    print("|---|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['model']} | {r['mode']} | {r['plain_trainer_allocator_samples_per_s']:.3f} "
+            f"| {r['throughput_ratio_same_allocator']:.2f} | {r['plain_trainer_allocator_peak_pss_mib']:.0f} "
+            f"| {r['memory_ratio_same_allocator']:.2f} |"
         )
     print("\nthe trainer's processes at its peak: PSS MiB (private MiB)\n")
     print("| model | mode | main | forked by hivemind (DHT, averagers), torch_shm_manager | p2p daemon |")

@@ -29,6 +29,11 @@ from pathlib import Path
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
+# DiLoCo mode: inner steps per outer (global) step; each inner step covers the plain loop's optimizer step
+DILOCO_INNER_STEPS = 2
+# Both loops read the same examples in the same order (the trainer's --data_seed): a pass's time grows with its batch's
+# padded length, which otherwise differs from run to run with the trainer's random key.
+DATA_SEED = 0
 
 
 def plain_loop(args) -> None:
@@ -36,12 +41,12 @@ def plain_loop(args) -> None:
     loss with torch's GradScaler, as the trainer's fp16 path does with hivemind's."""
     import torch
 
-    from sahajbert.collators import PretrainingCollator
     from sahajbert.devices import autocast_dtype
     from sahajbert.flags import CorpusArguments
     from sahajbert.model import build_model
     from sahajbert.optim import Lamb, parameter_groups
-    from sahajbert.stream import Prefetcher, batched, iterate_examples
+    from sahajbert.samples import SAMPLE_FILES
+    from sahajbert.stream import training_batches
     from sahajbert.tokenization import load_tokenizer
 
     tokenizer = load_tokenizer("sample")
@@ -49,9 +54,9 @@ def plain_loop(args) -> None:
     optimizer = Lamb(parameter_groups(model, 0.01), lr=0.001, clamp_value=10_000.0, max_grad_norm=1.0)
     dtype = autocast_dtype(args.precision)
     scaler = torch.amp.GradScaler("cuda") if args.precision == "fp16" else None
-    corpus = CorpusArguments(data_files=["sample"], max_seq_length=args.max_seq_length, shuffle_buffer=200)
-    collator = PretrainingCollator.from_tokenizer(tokenizer, seed=0, pad_to_multiple_of=8)
-    batches = Prefetcher(batched(iterate_examples(corpus, tokenizer, seed=0), args.batch_size, collator))
+    # the trainer's stream, batch for batch: its corpus flags (sahajbert.localswarm.tiny_trainer_flags) and DATA_SEED
+    corpus = CorpusArguments(data_files=SAMPLE_FILES, max_seq_length=args.max_seq_length, shuffle_buffer=200)
+    batches = training_batches(corpus, tokenizer, DATA_SEED, args.batch_size, on_xla=False)
     for step in range(args.steps):
         if step == 1:  # as for the trainer: from the end of the first optimizer step
             started = time.perf_counter()
@@ -184,10 +189,6 @@ def run_twice(args, command: list[str], env: dict, log: Path, output: Path | Non
     return memory
 
 
-# DiLoCo mode: inner steps per outer (global) step; each inner step covers the plain loop's optimizer step
-DILOCO_INNER_STEPS = 2
-
-
 def measure_plain(args, model: str, workdir: Path, trainer_allocator: bool = False) -> tuple[float, PeakPss]:
     """The plain loop: its samples/s and memory samples; with `trainer_allocator`, with the allocator setting the
     trainer makes (sahajbert.memory.return_large_frees), to tell that setting's share of each gap from the trainer's
@@ -238,6 +239,7 @@ def measure(args, model: str, mode: str, workdir: Path, plain: float, plain_memo
         per_device_train_batch_size=args.batch_size,
         learning_rate=0.001,
         save_steps=10**9,
+        data_seed=DATA_SEED,
         final_averaging_window=0,
         output_dir=output,
         device=args.device,

@@ -151,8 +151,11 @@ class TrainerPeer(SwarmPeer):
         return build_compute(self.model, device_info, precision)
 
     def _build_batches(self, device_info: DeviceInfo, forward_batch: int) -> Prefetcher:
-        """This peer's own stream of training batches (its seed: the run's, mixed with this peer's key)."""
-        seed = peer_seed(self.args.training_args.seed, self.public_key)
+        """This peer's own stream of training batches (its seed: --data_seed, else the run's mixed with its key)."""
+        training_args = self.args.training_args
+        seed = training_args.data_seed
+        if seed is None:
+            seed = peer_seed(training_args.seed, self.public_key)
         on_xla = device_info.kind == "tpu"
         return training_batches(self.args.corpus_args, self.tokenizer, seed, forward_batch, on_xla)
 

@@ -15,6 +15,7 @@ from sahajbert.localswarm import tiny_trainer_flags
 from sahajbert.model import build_model
 from sahajbert.reports import slow_pace_warning
 from sahajbert.signals import StopRequest
+from sahajbert.stream import training_batches
 from sahajbert.tokenization import load_tokenizer
 from sahajbert.train_log import StepRecord, read_train_log
 from sahajbert.trainer import TrainerPeer
@@ -65,6 +66,23 @@ def test_local_clipping_bounds_each_pass_before_it_is_handed_to_the_swarm(tmp_pa
             grads = [p.grad for p in peer.model.parameters() if p.grad is not None]
             norms[mode] = torch.sqrt(sum(g.pow(2).sum() for g in grads)).item()
     assert norms["local"] <= 0.05 + 1e-6 < norms["averaged"], norms
+
+
+def test_a_data_seed_gives_a_trainer_the_stream_of_that_seed(tmp_path):
+    """--data_seed repeats a stream (a benchmark's plain loop reads the trainer's batches); without it, the order
+    mixes in the process's key."""
+    first_batches = {}
+    for data_seed in (None, 5):
+        flags = tiny_trainer_flags(max_steps=3, output_dir=tmp_path / str(data_seed))
+        flags += [] if data_seed is None else ["--data_seed", str(data_seed)]
+        (peer_args,) = parse_args((PeerArguments,), flags)
+        with TrainerPeer(peer_args) as peer:
+            first_batches[data_seed] = peer.batches.get(StopRequest())["input_ids"]
+            given = training_batches(peer_args.corpus_args, peer.tokenizer, 5, len(first_batches[data_seed]), False)
+            expected = given.get(StopRequest())["input_ids"]
+            given.close()
+    assert torch.equal(first_batches[5], expected)
+    assert not torch.equal(first_batches[None], expected)
 
 
 def test_the_initial_parameters_digest_tells_one_seed_from_another():

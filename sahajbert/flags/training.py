@@ -90,6 +90,13 @@ class LocalTrainingArguments:
         default=0,
         metadata={"help": "Model init seed, shared by the run; each peer's data order also mixes in its own id."},
     )
+    data_seed: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "This peer's data order, the same on every start (default: --seed mixed with this process's key, "
+            "so that no two peers read one stream); give it to repeat a stream, never the same on two peers."
+        },
+    )
     output_dir: str = field(default="outputs/trainer", metadata={"help": "Where this peer writes checkpoints."})
     save_steps: int = field(default=500, metadata={"help": "Save a local checkpoint every this many global steps."})
     keep_checkpoints: int = field(default=3, metadata={"help": "How many local checkpoints to keep."})

@@ -369,7 +369,7 @@ def test_the_last_good_state_is_one_copy_overwritten_once_a_pass_from_a_new_stat
     ), "the copy shares no tensor with the live optimizer"
 
 
-def test_the_last_good_state_on_disk_is_one_file_replaced_whole_once_trusted_and_removed_at_the_end(
+def test_the_last_good_state_on_disk_is_one_file_rewritten_once_trusted_and_removed_at_the_end(
     lonely_optimizer, tmp_path
 ):
     from sahajbert.hivemind_ext.optim import accessors
@@ -395,6 +395,31 @@ def test_the_last_good_state_on_disk_is_one_file_replaced_whole_once_trusted_and
     assert sorted(path.name for path in tmp_path.iterdir()) == [GOOD_STATE_FILE]
     good.close()
     assert not any(tmp_path.iterdir()), "a stopped trainer leaves no rollback file (its checkpoint resumes it)"
+
+
+def test_the_good_state_file_is_rewritten_in_place_and_anew_after_a_rollback_mapped_it(lonely_optimizer, tmp_path):
+    """In place while nothing maps it (the kernel reuses its pages); after a read (a rollback maps the file), the next
+    write goes to a new file, and the tensors mapped from the old one keep their values."""
+    from sahajbert.hivemind_ext.optim import accessors
+    from sahajbert.rollback import GOOD_STATE_FILE, LastGoodState
+
+    model, optimizer = lonely_optimizer
+    good = LastGoodState(optimizer, pending_update_timeout=10.0, kept=kept_where("disk", tmp_path))
+    path = tmp_path / GOOD_STATE_FILE
+    inodes = []
+    for step in (1, 2):
+        train_to(model, optimizer, step)
+        good.kept.write(accessors.master_parameters(optimizer), optimizer.opt.state_dict(), optimizer.local_state)
+        inodes.append(path.stat().st_ino)
+    assert inodes[0] == inodes[1], "rewritten in place"
+    mapped = good.kept.read()[0]
+    held = [p.clone() for p in mapped]
+    train_to(model, optimizer, 3)
+    good.kept.write(accessors.master_parameters(optimizer), optimizer.opt.state_dict(), optimizer.local_state)
+    assert path.stat().st_ino != inodes[1], "a new file after a read"
+    assert all(torch.equal(a, b) for a, b in zip(held, mapped)), "what a rollback mapped keeps its values"
+    assert not all(torch.equal(a, b) for a, b in zip(held, good.kept.read()[0])), "the file holds the new state"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [GOOD_STATE_FILE]
 
 
 def test_a_good_state_that_cannot_be_written_to_disk_is_kept_in_memory_with_one_line(

@@ -78,9 +78,11 @@ def test_a_data_seed_gives_a_trainer_the_stream_of_that_seed(tmp_path):
         (peer_args,) = parse_args((PeerArguments,), flags)
         with TrainerPeer(peer_args) as peer:
             first_batches[data_seed] = peer.batches.get(StopRequest())["input_ids"]
-            given = training_batches(peer_args.corpus_args, peer.tokenizer, 5, len(first_batches[data_seed]), False)
-            expected = given.get(StopRequest())["input_ids"]
-            given.close()
+    given = training_batches(peer_args.corpus_args, peer.tokenizer, 5, len(first_batches[5]), False)
+    try:
+        expected = given.get(StopRequest())["input_ids"]
+    finally:
+        given.close()
     assert torch.equal(first_batches[5], expected)
     assert not torch.equal(first_batches[None], expected)
 
